@@ -1,0 +1,76 @@
+"""Run real megatron-core 0.12.1 code on CPU (tests and the benchmark baseline only).
+
+The conversion itself never imports megatron.  Tests use megatron-core as the *reference*: they build
+a real ``GPTModel`` under gloo, ask it for ``sharded_state_dict()``, and call ``dist_checkpointing``
+save/load.  Megatron assumes CUDA in a few places; this module patches exactly those:
+
+* ``torch.cuda.synchronize`` -> no-op, ``torch.cuda.current_device`` -> ``'cpu'``.
+* megatron's ``filesystem_async`` calls torch's ``_write_item`` without the ``serialization_format``
+  argument that torch >= 2.8 requires; we pass ``SerializationFormat.TORCH_SAVE`` (what torch itself uses
+  by default).
+* ``ModelParallelConfig`` refuses TP>1 with EP>1 without sequence parallelism; torch norms refuse
+  sequence parallelism on CPU.  For state-dict-only use we lift that one check (``allow_tp_ep_without_sp``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_PATCHED = False
+
+
+def apply() -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+    from torch.distributed.checkpoint import filesystem as tfs
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as mfa
+
+    orig = tfs._write_item
+    import inspect
+
+    if "serialization_format" in inspect.signature(orig).parameters:
+
+        @functools.wraps(orig)
+        def _write_item(*args, **kwargs):
+            if len(args) < 6 and "serialization_format" not in kwargs:
+                kwargs["serialization_format"] = tfs.SerializationFormat.TORCH_SAVE
+            return orig(*args, **kwargs)
+
+        mfa._write_item = _write_item
+
+
+def allow_tp_ep_without_sp() -> None:
+    """Lift ModelParallelConfig's 'EP>1 and TP>1 need sequence parallelism' check (state-dict use only)."""
+    from megatron.core import model_parallel_config as mpc
+
+    cls = mpc.ModelParallelConfig
+    if getattr(cls, "_ckpt_tools_lifted", False):
+        return
+    orig = cls.__post_init__
+
+    def __post_init__(self):
+        ep = self.expert_model_parallel_size
+        if ep > 1 and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            self.expert_model_parallel_size = 1
+            try:
+                orig(self)
+            finally:
+                self.expert_model_parallel_size = ep
+        else:
+            orig(self)
+
+    cls.__post_init__ = __post_init__
+    cls._ckpt_tools_lifted = True
+
+
+def init_process(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    apply()

@@ -1,0 +1,234 @@
+"""``ckpt-tools`` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .progress import parse_size
+
+EPILOG = "Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator."
+
+
+def _layers(s):
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-list must be comma-separated integers (got {s!r})") from None
+
+
+def _add_megatron_topology(p):
+    g = p.add_argument_group("Megatron target topology")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
+    g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: = --tp, megatron's default)")
+    g.add_argument("--num-layers-in-first-pipeline-stage", type=int, default=None, dest="first",
+                   help="uneven PP: layers on stage 0 (megatron's flag of the same name)")
+    g.add_argument("--num-layers-in-last-pipeline-stage", type=int, default=None, dest="last",
+                   help="uneven PP: layers on the last stage")
+    g.add_argument("--layer-list", type=_layers, default=None,
+                   help="explicit layers per stage, e.g. 11,12,12,12,12,12,12,11 (must sum to the layer count)")
+    g.add_argument("--spec", choices=["te", "local"], default="te",
+                   help="megatron layer spec whose key names to write: te (Transformer Engine, what verl builds; "
+                        "also MindSpeed's names) or local (megatron-core modules) (default te)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_div",
+                   help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ckpt-tools", description=__doc__, epilog=EPILOG)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("hf2mcore", help="HF safetensors -> Megatron-core torch_dist checkpoint")
+    p.add_argument("--hf", required=True, help="HF model dir (config.json + *.safetensors [+ index])")
+    p.add_argument("--out", required=True, help="output dist-checkpoint dir (written to OUT.partial-*, renamed when complete)")
+    _add_megatron_topology(p)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="saved dtype (default: the source's)")
+    p.add_argument("--workers", type=int, default=2, help="parallel writer threads, one file at a time each (default 2)")
+    p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("mcore2hf", help="Megatron-core torch_dist checkpoint -> HF safetensors")
+    p.add_argument("--mcore", required=True, help="dist-checkpoint dir (ours or megatron-core's own, any topology; "
+                                                   "verl's global_step_N/actor/dist_ckpt works: the 'model.' prefix is detected)")
+    p.add_argument("--out", required=True, help="output HF dir")
+    p.add_argument("--hf-config", required=True, help="HF dir (or config.json) describing the model; its tokenizer/"
+                                                       "generation files are copied")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the checkpoint's)")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="max bytes per safetensors shard (default 5GB)")
+    p.add_argument("--prefix", default=None, help="key prefix of the model tensors (default: auto-detect)")
+    p.add_argument("--workers", type=int, default=2, help="parallel shard writers (default 2)")
+    p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards")
+    p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir")
+    p.add_argument("--to", choices=["vllm"], default="vllm", help="target (vllm)")
+    p.add_argument("--out", required=True, help="output dir: rank_{r}/model.safetensors + vllm_layout.json + config")
+    p.add_argument("--tp", type=int, required=True, help="vLLM tensor-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="vLLM data-parallel size (default 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM expert parallel: EP = TP x DP, MoE TP 1")
+    p.add_argument("--ep", type=int, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp)")
+    p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
+    p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-memory", type=parse_size, default="4GiB")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats)")
+    p.add_argument("--hf", default=None, help="HF dir")
+    p.add_argument("--mcore", default=None, help="Megatron dist-checkpoint dir")
+    p.add_argument("--vllm", default=None, help="vLLM shard dir (from reshard)")
+    p.add_argument("--hf2", default=None, help="a second HF dir (HF vs HF)")
+    p.add_argument("--hf-config", default=None, help="HF config for a Megatron side when --hf is not given")
+    p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
+    p.add_argument("--json", default=None, help="write the full report as JSON to this path ('-' = stdout)")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("plan", help="dry run from a config: stages, bytes per rank and file, time estimate")
+    p.add_argument("--config", required=True, help="HF config.json / model dir, or the preset 'qwen3-235b-a22b'")
+    _add_megatron_topology(p)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--disk-gbps", type=float, default=2.0, help="disk bandwidth in GB/s for the time estimate (default 2.0)")
+    p.add_argument("--vllm-tp", type=int, default=None, help="also plan vLLM shards at this TP")
+    p.add_argument("--vllm-ep", type=int, default=None, help="... with expert parallel of this size")
+    p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
+
+    p = sub.add_parser("inspect", help="summarize a checkpoint dir (any format)")
+    p.add_argument("path")
+    p.add_argument("--hf-config", default=None)
+    p.add_argument("--json", default=None)
+    return ap
+
+
+def main(argv=None) -> int:
+    from .views import ERRORS
+
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ERRORS as e:
+        print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; partial output removed", file=sys.stderr)
+        return 130
+
+
+def _dump(obj, path):
+    if path == "-":
+        json.dump(obj, sys.stdout, indent=1)
+        print()
+    elif path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
+def _run(args) -> int:
+    from . import convert
+    from .model_config import load_config
+    from .plan import fmt_bytes
+
+    prog = not getattr(args, "no_progress", False)
+    if args.cmd == "hf2mcore":
+        r = convert.hf2mcore(args.hf, args.out, pp=args.pp, tp=args.tp, ep=args.ep, etp=args.etp, first=args.first,
+                             last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
+                             workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
+                             vocab_size_divisible_by=args.vocab_div, progress=prog)
+        print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
+              f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+        return 0
+    if args.cmd == "mcore2hf":
+        r = convert.mcore2hf(args.mcore, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                             workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=prog,
+                             max_memory=args.max_memory)
+        print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
+              f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
+        return 0
+    if args.cmd == "reshard":
+        r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
+                            ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
+                            overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory)
+        print(f"wrote {r['out']}: {r['layout']}, {r['ranks']} rank dirs, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+        return 0
+    if args.cmd == "verify":
+        from .verify import print_report, verify
+        from .views import HFView, McoreView, VllmView
+
+        given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2") if getattr(args, k)]
+        if len(given) != 2:
+            print("ckpt-tools verify: error: give exactly two of --hf, --mcore, --vllm, --hf2", file=sys.stderr)
+            return 2
+        cfg_src = args.hf or args.hf_config or args.hf2
+        cfg = load_config(cfg_src) if cfg_src else None
+        views = []
+        for k, p in given:
+            if k in ("hf", "hf2"):
+                views.append(HFView(p, cfg))
+            elif k == "mcore":
+                if cfg is None:
+                    print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
+                    return 2
+                views.append(McoreView(p, cfg, prefix=args.prefix))
+            else:
+                views.append(VllmView(p, cfg))
+        rep = verify(*views, progress=prog)
+        print_report(rep, sys.stdout)
+        _dump(rep, args.json)
+        return 0 if rep["ok"] else 1
+    if args.cmd == "plan":
+        from .convert import DTYPES, megatron_parallel
+        from .layout import VllmParallel
+        from .plan import plan_megatron, plan_vllm
+
+        cfg = load_config(args.config)
+        par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
+        nbytes = DTYPES[args.dtype].itemsize
+        p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div)
+        print(f"{cfg.model_type}: {cfg.layers} layers, {cfg.experts} experts, hidden {cfg.hidden}; {p['topology']}")
+        print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'])} ({args.dtype}); {p['chunks']} chunks, "
+              f"{p['objects']} _extra_state objects, {p['files']} files")
+        print(f"{'stage':>5} {'layers':>6} {'ranks':>11} {'bytes/rank (min..max)':>28}")
+        for s, n in enumerate(par.layers_per_stage):
+            rs = [x for x in p["ranks"] if x["stage"] == s]
+            b = [x["bytes_written"] for x in rs]
+            print(f"{s:>5} {n:>6} {rs[0]['rank']:>5}-{rs[-1]['rank']:<5} {fmt_bytes(min(b)):>13} .. {fmt_bytes(max(b)):<12}")
+        print(f"predicted hf2mcore time at {args.disk_gbps} GB/s (read + write on one disk): "
+              f"{p['predicted_seconds']:.0f} s ({p['predicted_seconds'] / 60:.1f} min)")
+        if args.vllm_tp:
+            ep = args.vllm_ep
+            vp = VllmParallel(args.vllm_tp, (ep // args.vllm_tp) if ep else 1, bool(ep and ep > 1))
+            v = plan_vllm(cfg, vp, nbytes)
+            p["vllm"] = v
+            print(f"{v['layout']}: padded vocab {v['padded_vocab']}, per rank "
+                  f"{fmt_bytes(min(x['bytes'] for x in v['ranks']))} .. {fmt_bytes(max(x['bytes'] for x in v['ranks']))}")
+        _dump(p, args.json)
+        return 0
+    if args.cmd == "inspect":
+        from .views import open_view
+
+        cfg = load_config(args.hf_config) if args.hf_config else None
+        v = open_view(args.path, cfg)
+        info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
+                "experts": v.cfg.experts, "tensors": len(v.shapes), "dtype": str(v.dtype)}
+        if v.kind == "mcore":
+            info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
+                        files=len({si.relative_path for si in v.ckpt.storage.values()}))
+            probs = v.integrity()
+            info["integrity"] = probs or "ok"
+        if v.kind == "vllm":
+            info.update(layout=v.par.describe())
+        for k, val in info.items():
+            print(f"{k:>12}: {val}")
+        _dump(info, args.json)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""HF safetensors checkpoints: streaming reads through ``safe_open`` (mmap), sharded writes with an index."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .layout import Box
+
+INDEX = "model.safetensors.index.json"
+COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+              "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+
+
+class HFError(ValueError):
+    pass
+
+
+class HFReader:
+    """Name -> (file, shape, dtype) from the safetensors headers; reads boxes without loading whole tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isdir(path):
+            raise HFError(f"--hf {path}: not a directory")
+        idx = os.path.join(path, INDEX)
+        if os.path.isfile(idx):
+            with open(idx) as f:
+                try:
+                    wm = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise HFError(f"{idx}: not a valid safetensors index ({e})") from None
+            files = sorted(set(wm.values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            wm = None
+        if not files:
+            raise HFError(f"{path}: no *.safetensors files")
+        self._handles = {}
+        self.files = files
+        self.meta: dict[str, tuple[str, tuple, torch.dtype]] = {}
+        self._lock = threading.Lock()
+        for fn in files:
+            fp = os.path.join(path, fn)
+            if not os.path.isfile(fp):
+                raise HFError(f"{fp}: listed in {INDEX} but missing")
+            try:
+                h = safe_open(fp, framework="pt")
+            except (SafetensorError, OSError, Exception) as e:  # truncated / corrupt header
+                raise HFError(f"{fp}: cannot open safetensors file ({e}); is it truncated?") from None
+            self._handles[fn] = h
+            for k in h.keys():
+                sl = h.get_slice(k)
+                self.meta[k] = (fn, tuple(sl.get_shape()), _dtype(sl.get_dtype()))
+        if wm is not None:
+            for k, fn in wm.items():
+                if k not in self.meta:
+                    raise HFError(f"{INDEX} lists {k} in {fn} but the file does not hold it")
+
+    def keys(self):
+        return self.meta.keys()
+
+    def shape(self, name):
+        return self.meta[name][1]
+
+    def dtype(self, name):
+        return self.meta[name][2]
+
+    def nbytes(self, name):
+        fn, shp, dt = self.meta[name]
+        n = dt.itemsize
+        for s in shp:
+            n *= s
+        return n
+
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        """Read ``box`` of tensor ``name`` (rows/cols ranges) through the mmap, copying only those bytes."""
+        fn = self.meta[name][0]
+        sl = self._handles[fn].get_slice(name)
+        try:
+            if box is None:
+                return sl[:]
+            return sl[tuple(slice(a, b) for a, b in box)]
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise HFError(f"{self.path}/{fn}: cannot read {name} ({e})") from None
+
+    def validate(self, expected: dict[str, tuple]) -> torch.dtype:
+        """Every expected tensor present with the expected shape; one dtype; returns it."""
+        missing = [k for k in expected if k not in self.meta]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise HFError(f"{self.path}: missing tensor {missing[0]}{more}")
+        for k, shp in expected.items():
+            if tuple(self.meta[k][1]) != tuple(shp):
+                raise HFError(f"{self.path}: {k} has shape {list(self.meta[k][1])}, config implies {list(shp)}")
+        extra = [k for k in self.meta if k not in expected]
+        if extra:
+            raise HFError(f"{self.path}: unexpected tensor {extra[0]} (not in the {len(expected)} the config implies)")
+        dts = {self.meta[k][2] for k in expected}
+        if len(dts) != 1:
+            raise HFError(f"{self.path}: mixed dtypes {sorted(map(str, dts))}")
+        # A truncated data section is caught by safe_open (header vs file size); double-check sizes.
+        for fn in self.files:
+            fp = os.path.join(self.path, fn)
+            with open(fp, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                hdr = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
+            if os.path.getsize(fp) < 8 + n + end:
+                raise HFError(f"{fp}: truncated ({os.path.getsize(fp)} bytes, header needs {8 + n + end})")
+        return dts.pop()
+
+
+_DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _dtype(s: str) -> torch.dtype:
+    if s not in _DT:
+        raise HFError(f"unsupported safetensors dtype {s}")
+    return _DT[s]
+
+
+class HFShardWriter:
+    """Streams tensors into ``model-0000x-of-0000N.safetensors`` shards of at most ``max_shard_bytes``.
+
+    The shard assignment and every header are fixed up front from (name, shape, dtype), so each tensor is
+    written straight to its offset as it is produced: memory holds one tensor, never a shard. The layout is
+    the safetensors format (8-byte little-endian header length, JSON header padded with spaces to 8 bytes,
+    raw little-endian data); the result is read back with ``safe_open`` in tests. Files are written under
+    ``*.tmp`` names and renamed, with the index, in ``finish``."""
+
+    def __init__(self, out_dir: str, entries: list, max_shard_bytes: int):
+        self.out_dir = out_dir
+        shards, cur, cur_bytes = [], [], 0
+        for name, shape, dtype in entries:
+            nb = dtype.itemsize * _prod(shape)
+            if cur and cur_bytes + nb > max_shard_bytes:
+                shards.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append((name, tuple(shape), dtype, nb))
+            cur_bytes += nb
+        if cur:
+            shards.append(cur)
+        n = len(shards)
+        self.file_of, self.offset_of, self.files = {}, {}, []
+        self.total = 0
+        for i, items in enumerate(shards):
+            fn = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+            hdr, off = {"__metadata__": {"format": "pt"}}, 0
+            for name, shape, dtype, nb in items:
+                hdr[name] = {"dtype": _ST[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
+                off += nb
+            hb = json.dumps(hdr, separators=(",", ":")).encode()
+            hb += b" " * (-len(hb) % 8)
+            base = 8 + len(hb)
+            tmp = os.path.join(out_dir, fn + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(len(hb).to_bytes(8, "little"))
+                f.write(hb)
+                f.truncate(base + off)
+            for name, shape, dtype, nb in items:
+                self.file_of[name] = fn
+                self.offset_of[name] = base + hdr[name]["data_offsets"][0]
+            self.files.append(fn)
+            self.total += off
+        self.entries = {name: (tuple(shape), dtype) for name, shape, dtype in entries}
+        self.written = set()
+        self._lock = threading.Lock()
+        self._fds = {}
+
+    def write(self, name: str, t: torch.Tensor):
+        shape, dtype = self.entries[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise HFError(f"internal: {name} is {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
+        fn = self.file_of[name]
+        with self._lock:
+            if fn not in self._fds:
+                self._fds[fn] = os.open(os.path.join(self.out_dir, fn + ".tmp"), os.O_WRONLY)
+            fd = self._fds[fn]
+        buf = t.contiguous().view(torch.uint8).numpy() if t.numel() else b""
+        pwrite_all(fd, memoryview(buf).cast('B') if len(buf) else b'', self.offset_of[name])
+        with self._lock:
+            self.written.add(name)
+
+    def finish(self) -> dict:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        missing = [k for k in self.entries if k not in self.written]
+        if missing:
+            raise HFError(f"internal: {len(missing)} tensors were never written, e.g. {missing[0]}")
+        for fn in self.files:
+            os.replace(os.path.join(self.out_dir, fn + ".tmp"), os.path.join(self.out_dir, fn))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.file_of.items()))}
+        with open(os.path.join(self.out_dir, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+        return index
+
+
+def pwrite_all(fd: int, mv, offset: int):
+    """os.pwrite until done (Linux writes at most ~2 GiB per call)."""
+    done, n = 0, len(mv)
+    while done < n:
+        done += os.pwrite(fd, mv[done:done + (1 << 30)], offset + done)
+
+
+def _prod(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_ST = {v: k for k, v in _DT.items()}
+
+
+def copy_side_files(src_dir: str, out_dir: str) -> list[str]:
+    done = []
+    for fn in COPY_FILES:
+        p = os.path.join(src_dir, fn)
+        if os.path.isfile(p):
+            shutil.copy2(p, os.path.join(out_dir, fn))
+            done.append(fn)
+    return done

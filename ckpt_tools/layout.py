@@ -1,0 +1,356 @@
+"""All layout math lives here: boxes, Megatron parallel topology, Megatron chunk cutting, vLLM rank layout.
+
+Coordinate model
+----------------
+Every weight of a model is identified by its HF tensor (``model.layers.3.self_attn.q_proj.weight``).
+Every other layout (a Megatron dist-checkpoint key's *global* tensor, a vLLM rank-local parameter) is
+described by :class:`Segment` s: a bijection between a box of an HF tensor and a box of equal extent in
+the other tensor (which may carry extra leading point axes: Megatron's prepended layer / expert axes,
+vLLM's local expert axis).  Every direction (hf2mcore, mcore2hf, reshard, verify, SyncPlan) is built
+from intersections of such boxes, so there is one place where a transform is defined: the converter's
+mapping table, turned into segments by :mod:`ckpt_tools.mapping`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+class LayoutError(ValueError):
+    """Bad topology or layout request; the message names the offending flag."""
+
+
+# ----------------------------------------------------------------------------------------------- boxes
+Box = tuple  # tuple of (start, stop) per dim
+
+
+def box_shape(b: Box) -> tuple:
+    return tuple(s1 - s0 for s0, s1 in b)
+
+
+def box_numel(b: Box) -> int:
+    return math.prod(s1 - s0 for s0, s1 in b)
+
+
+def box_intersect(a: Box, b: Box):
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def box_shift(b: Box, origin: Sequence[int]) -> Box:
+    return tuple((s0 - o, s1 - o) for (s0, s1), o in zip(b, origin))
+
+
+def box_slices(b: Box) -> tuple:
+    return tuple(slice(s0, s1) for s0, s1 in b)
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def boxes_disjoint_cover(boxes: Sequence[Box], shape: Sequence[int]) -> tuple[bool, str]:
+    """True iff ``boxes`` tile the tensor of ``shape`` exactly once (no gap, no overlap).
+
+    Exact, in time linear in the boxes: cut every dim at all box edges, count how often each grid cell is
+    covered (every box covers whole cells), and require exactly one cover per cell."""
+    import bisect
+
+    import numpy as np
+
+    shape = tuple(int(n) for n in shape)
+    if not shape:
+        return (len(boxes) == 1, f"{len(boxes)} chunks for a scalar")
+    for b in boxes:
+        if len(b) != len(shape) or any(s0 < 0 or s1 > n or s0 >= s1 for (s0, s1), n in zip(b, shape)):
+            return False, f"box {b} outside shape {shape}"
+    cuts = []
+    for d, n in enumerate(shape):
+        pts = {0, n}
+        for b in boxes:
+            pts.add(b[d][0])
+            pts.add(b[d][1])
+        cuts.append(sorted(pts))
+    cells = 1
+    for c in cuts:
+        cells *= len(c) - 1
+    if cells > 50_000_000:
+        raise LayoutError(f"coverage grid too large ({cells} cells)")
+    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for b in boxes:
+        idx = tuple(slice(bisect.bisect_left(c, s0), bisect.bisect_left(c, s1)) for c, (s0, s1) in zip(cuts, b))
+        count[idx] += 1
+    if (count == 1).all():
+        return True, "ok"
+    gaps, over = int((count == 0).sum()), int((count > 1).sum())
+    cell = np.argwhere(count != 1)[0]
+    where = tuple(cuts[d][i] for d, i in enumerate(cell))
+    return False, f"{gaps} uncovered and {over} multiply covered regions (first at offset {where})"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """HF box ``hf_box`` of tensor ``hf`` equals box ``box`` of target tensor ``key``.
+
+    ``box`` may have more dims than ``hf_box``: the leading extra dims are points (extent 1)."""
+
+    hf: str
+    hf_box: Box
+    key: str
+    box: Box
+
+    def hf_to_target(self, sub: Box) -> Box:
+        """Map a sub-box of ``hf_box`` into target coordinates."""
+        lead = len(self.box) - len(self.hf_box)
+        out = list(self.box[:lead])
+        for (h0, _), (t0, _), (s0, s1) in zip(self.hf_box, self.box[lead:], sub):
+            out.append((t0 + s0 - h0, t0 + s1 - h0))
+        return tuple(out)
+
+    def target_to_hf(self, sub: Box) -> Box:
+        lead = len(self.box) - len(self.hf_box)
+        out = []
+        for (h0, _), (t0, _), (s0, s1) in zip(self.hf_box, self.box[lead:], sub[lead:]):
+            out.append((h0 + s0 - t0, h0 + s1 - t0))
+        return tuple(out)
+
+
+def split_range(n: int, parts: int, flag: str, what: str) -> list[tuple[int, int]]:
+    if parts <= 0 or n % parts:
+        raise LayoutError(f"{what} ({n}) is not divisible by {flag} ({parts})")
+    step = n // parts
+    return [(i * step, (i + 1) * step) for i in range(parts)]
+
+
+# ------------------------------------------------------------------------------- Megatron topology
+@dataclass(frozen=True)
+class MegatronParallel:
+    """Target Megatron-core parallel layout (core_v0.12.1 semantics, order ``tp-cp-ep-dp-pp``, cp=1).
+
+    ``layers_per_stage`` is the per pipeline stage layer count. Megatron derives it from
+    ``num_layers_in_first/last_pipeline_stage`` as in ``get_transformer_layer_offset``."""
+
+    pp: int
+    tp: int
+    ep: int
+    etp: int
+    layers_per_stage: tuple
+
+    @staticmethod
+    def build(num_layers: int, pp: int = 1, tp: int = 1, ep: int = 1, etp: int | None = None,
+              first: int | None = None, last: int | None = None,
+              layer_list: Sequence[int] | None = None) -> "MegatronParallel":
+        for name, v in (("--pp", pp), ("--tp", tp), ("--ep", ep)):
+            if v is None or v < 1:
+                raise LayoutError(f"{name} must be >= 1 (got {v})")
+        etp = tp if etp is None else etp
+        if etp < 1:
+            raise LayoutError(f"--etp must be >= 1 (got {etp})")
+        if layer_list is not None:
+            if first is not None or last is not None:
+                raise LayoutError("--layer-list cannot be combined with --num-layers-in-first/last-pipeline-stage")
+            stages = tuple(int(x) for x in layer_list)
+            if len(stages) != pp:
+                raise LayoutError(f"--layer-list has {len(stages)} entries but --pp is {pp}")
+            if any(x < 1 for x in stages):
+                raise LayoutError(f"--layer-list entries must be >= 1 (got {list(stages)})")
+            if sum(stages) != num_layers:
+                raise LayoutError(f"--layer-list sums to {sum(stages)} but the model has {num_layers} layers")
+        elif first is not None or last is not None:
+            # megatron.core.transformer.transformer_layer.get_transformer_layer_offset (0.12.1)
+            if pp < 2:
+                raise LayoutError("--num-layers-in-first/last-pipeline-stage need --pp >= 2")
+            f = first if first is not None else None
+            l_ = last if last is not None else None
+            for name, v in (("--num-layers-in-first-pipeline-stage", f), ("--num-layers-in-last-pipeline-stage", l_)):
+                if v is not None and v < 1:
+                    raise LayoutError(f"{name} must be >= 1 (got {v})")
+            middle_stages = pp - (f is not None) - (l_ is not None)
+            rest = num_layers - (f or 0) - (l_ or 0)
+            if middle_stages == 0:
+                if rest != 0:
+                    raise LayoutError(f"--num-layers-in-first/last-pipeline-stage ({f}+{l_}) do not add up to "
+                                      f"the model's {num_layers} layers with --pp {pp}")
+                per = 0
+            else:
+                if rest <= 0 or rest % middle_stages:
+                    raise LayoutError(
+                        f"--num-layers-in-first/last-pipeline-stage leave {rest} layers for {middle_stages} "
+                        f"middle stages of --pp {pp}: not evenly divisible")
+                per = rest // middle_stages
+            stages = []
+            for s in range(pp):
+                if s == 0 and f is not None:
+                    stages.append(f)
+                elif s == pp - 1 and l_ is not None:
+                    stages.append(l_)
+                else:
+                    stages.append(per)
+            stages = tuple(stages)
+        else:
+            if num_layers % pp:
+                raise LayoutError(f"num_hidden_layers ({num_layers}) is not divisible by --pp ({pp}); "
+                                  f"use --num-layers-in-first/last-pipeline-stage or --layer-list")
+            stages = (num_layers // pp,) * pp
+        return MegatronParallel(pp, tp, ep, etp, stages)
+
+    # world / ranks ----------------------------------------------------------------------------
+    @property
+    def ranks_per_stage(self) -> int:
+        return math.lcm(self.tp, self.etp * self.ep)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.ranks_per_stage
+
+    @property
+    def dp(self) -> int:
+        return self.ranks_per_stage // self.tp
+
+    @property
+    def edp(self) -> int:
+        return self.ranks_per_stage // (self.etp * self.ep)
+
+    def dense_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> int:
+        # megatron.core.parallel_state.RankGenerator(order="tp-cp-ep-dp-pp") for the dense grid
+        return tp_rank + self.tp * dp_rank + self.ranks_per_stage * pp_rank
+
+    def expert_rank(self, pp_rank: int, etp_rank: int, ep_rank: int, edp_rank: int = 0) -> int:
+        # expert grid generator: order "tp-ep-dp-pp" with tp=etp
+        return etp_rank + self.etp * ep_rank + self.etp * self.ep * edp_rank + self.ranks_per_stage * pp_rank
+
+    def stage_offsets(self) -> list[int]:
+        out, acc = [], 0
+        for n in self.layers_per_stage:
+            out.append(acc)
+            acc += n
+        return out
+
+    def stage_of_layer(self, layer: int) -> int:
+        acc = 0
+        for s, n in enumerate(self.layers_per_stage):
+            if layer < acc + n:
+                return s
+            acc += n
+        raise LayoutError(f"layer {layer} beyond {acc} layers")
+
+    def describe(self) -> str:
+        s = f"PP{self.pp} x TP{self.tp} x EP{self.ep} (ETP{self.etp}); world {self.world}"
+        return s + f"; layers per stage {list(self.layers_per_stage)}"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved chunk of a Megatron dist-checkpoint tensor: its global box and the writing rank."""
+
+    key: str
+    box: Box
+    rank: int
+
+
+def megatron_chunks(key: str, shape: Sequence[int], lead: Sequence[int], shard: str, group: str,
+                    par: MegatronParallel, stage: int) -> list[Chunk]:
+    """Chunks megatron-core 0.12.1 saves for one layer's (and one expert's) slice of ``key``.
+
+    ``shape`` is the global shape, whose first ``len(lead)`` axes are the prepended layer/expert axes
+    and ``lead`` the point indices on them. ``shard``: ``rep`` (replicated; written by TP rank 0),
+    ``row``/``col`` (split across the group on the first/second trailing dim, as
+    ``make_tp_sharded_tensor_for_checkpoint``), ``glu`` (``apply_swiglu_sharded_factory``: rank r
+    writes rows r and t+r of 2t equal blocks). ``group``: ``dense`` (TP, DP replica 0) or
+    ``expert`` (ETP x EP grid, expert-DP replica 0; ``lead[-1]`` is the global expert index)."""
+    nlead = len(lead)
+    lead_box = tuple((i, i + 1) for i in lead)
+    trail = list(shape[nlead:])
+    t = par.tp if group == "dense" else par.etp
+    if group == "expert":
+        num_experts = shape[nlead - 1]
+        local = num_experts // par.ep
+        ep_rank = lead[-1] // local
+
+        def owner(r):
+            return par.expert_rank(stage, r, ep_rank)
+    else:
+        def owner(r):
+            return par.dense_rank(stage, r)
+
+    out = []
+    if shard == "rep" or t == 1 and shard in ("row", "col", "glu"):
+        out.append(Chunk(key, lead_box + full_box(trail), owner(0)))
+    elif shard in ("row", "col"):
+        dim = 0 if shard == "row" else 1
+        what = f"{key} dim {dim}"
+        for r, (a, b) in enumerate(split_range(trail[dim], t, "--tp" if group == "dense" else "--etp", what)):
+            bx = list(full_box(trail))
+            bx[dim] = (a, b)
+            out.append(Chunk(key, lead_box + tuple(bx), owner(r)))
+    elif shard == "glu":
+        blocks = split_range(trail[0], 2 * t, "--tp" if group == "dense" else "--etp", f"{key} rows / 2")
+        for r in range(t):
+            for blk in (blocks[r], blocks[t + r]):
+                bx = list(full_box(trail))
+                bx[0] = blk
+                out.append(Chunk(key, lead_box + tuple(bx), owner(r)))
+    else:
+        raise ValueError(f"unknown shard kind {shard!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------------ vLLM topology
+@dataclass(frozen=True)
+class VllmParallel:
+    """vLLM rollout layout: tensor parallel ``tp``, data parallel ``dp``, expert parallel on/off.
+
+    vllm/model_executor/layers/fused_moe/config.py (FusedMoEParallelConfig.make): with
+    enable_expert_parallel and tp*dp > 1, EP size = tp*dp, ep_rank = dp_rank*tp + tp_rank, and the
+    MoE layers run with TP 1; otherwise experts are TP-sharded on the intermediate dim."""
+
+    tp: int
+    dp: int = 1
+    expert_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def ep(self) -> int:
+        return self.tp * self.dp if self.expert_parallel and self.tp * self.dp > 1 else 1
+
+    @property
+    def moe_tp(self) -> int:
+        return 1 if self.ep > 1 else self.tp
+
+    def describe(self) -> str:
+        return f"vLLM TP{self.tp} x DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
+
+
+def vllm_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """vllm/model_executor/layers/fused_moe/layer.py determine_expert_map ("linear" placement):
+    base = E // ep, rem = E % ep, rank r gets base + (r < rem) experts starting at r*base + min(r, rem)."""
+    base, rem = divmod(num_experts, ep_size)
+    n = base + (1 if ep_rank < rem else 0)
+    start = ep_rank * base + min(ep_rank, rem)
+    return start, start + n
+
+
+def pad_vocab(vocab: int, tp: int, multiple: int = 64) -> tuple[int, int]:
+    """vllm/model_executor/layers/vocab_parallel_embedding.py: pad_vocab_size(vocab, 64), then each of
+    ``tp`` partitions holds padded // tp rows (divide asserts divisibility). Returns (padded, per_part)."""
+    padded = ((vocab + multiple - 1) // multiple) * multiple
+    if padded % tp:
+        raise LayoutError(f"padded vocab {padded} not divisible by --tp {tp}")
+    return padded, padded // tp
+
+
+def iter_boxes_in(segments: Iterable[Segment], target_box: Box):
+    """Yield (segment, target sub-box) for each segment overlapping ``target_box``."""
+    for seg in segments:
+        inter = box_intersect(seg.box, target_box)
+        if inter is not None:
+            yield seg, inter

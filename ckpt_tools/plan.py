@@ -1,0 +1,60 @@
+"""Dry-run planning from a config alone: layers per stage, params/bytes per rank and per file, time estimate."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .layout import box_numel
+from .mapping import MegatronLayout, VllmLayout
+
+
+def plan_megatron(cfg, par, spec="te", dtype_bytes=2, disk_gbps=None, vocab_size_divisible_by=None) -> dict:
+    layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
+    layout.validate()
+    per_rank = defaultdict(int)
+    chunks_per_rank = defaultdict(int)
+    chunks = layout.chunks()
+    for c in chunks:
+        per_rank[c.rank] += box_numel(c.box)
+        chunks_per_rank[c.rank] += 1
+    # what each rank *loads* (its own shards, replicas included): every rank of the stage holding the slice
+    total = sum(per_rank.values())
+    hf_params = sum(_numel(s) for s in layout.hf_shapes.values())
+    ranks = []
+    for r in range(par.world):
+        stage = r // par.ranks_per_stage
+        ranks.append({"rank": r, "stage": stage, "file": f"__{r}_0.distcp" if r in per_rank else None,
+                      "params_written": per_rank.get(r, 0), "bytes_written": per_rank.get(r, 0) * dtype_bytes,
+                      "chunks": chunks_per_rank.get(r, 0)})
+    out = {"topology": par.describe(), "layers_per_stage": list(par.layers_per_stage), "world": par.world,
+           "files": len(per_rank), "chunks": len(chunks), "objects": len(layout.objects),
+           "params": total, "hf_params": hf_params, "bytes": total * dtype_bytes, "ranks": ranks,
+           "max_rank_bytes": max(per_rank.values()) * dtype_bytes, "spec": spec}
+    if disk_gbps:
+        # read + write of the same bytes through one disk
+        out["disk_gbps"] = disk_gbps
+        out["predicted_seconds"] = 2 * out["bytes"] / (disk_gbps * 1e9)
+    return out
+
+
+def plan_vllm(cfg, par, dtype_bytes=2) -> dict:
+    lay = VllmLayout(cfg, par)
+    ranks = []
+    for r, tensors in enumerate(lay.ranks):
+        n = sum(_numel(ts.shape) for ts in tensors.values())
+        ranks.append({"rank": r, "params": n, "bytes": n * dtype_bytes})
+    return {"layout": par.describe(), "padded_vocab": lay.padded_vocab, "ranks": ranks,
+            "bytes": sum(x["bytes"] for x in ranks)}
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def fmt_bytes(n: float) -> str:
+    for u in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or u == "TiB":
+            return f"{n:.1f} {u}" if u != "B" else f"{int(n)} B"
+        n /= 1024

@@ -1,0 +1,351 @@
+"""Megatron-core ``torch_dist`` checkpoints, written and read directly (no model, no process group).
+
+Format (megatron-core 0.12.1 strategies/torch.py on torch DCP; see docs/format.md):
+* ``metadata.json``: backend names; ``common.pt``: torch.save of the non-sharded part ({} for a model);
+* ``.metadata``: pickled ``torch.distributed.checkpoint.metadata.Metadata`` with
+  ``state_dict_metadata[key] = TensorStorageMetadata(properties, global size, chunks)`` or
+  ``BytesStorageMetadata()`` for ShardedObjects (key ``{key}/shard_{offsets}_{shape}``), and
+  ``storage_data[MetadataIndex(fqn, offset)] = _StorageInfo(file, byte offset, length)``; megatron adds
+  ``mcore_data`` ({key: {}} without nd-reformulation);
+* ``__{rank}_{i}.distcp``: each chunk an independent ``torch.save`` (of the chunk tensor, singleton
+  prepended axes kept; of ``[obj]`` for objects) at its byte range.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+
+from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
+from .progress import ByteBudget, Progress
+
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                 "common_backend": "torch", "common_backend_version": 1}
+
+
+class DistCkptError(ValueError):
+    pass
+
+
+def _save_bytes(obj) -> bytes:
+    b = io.BytesIO()
+    torch.save(obj, b)
+    return b.getvalue()
+
+
+# -------------------------------------------------------------------------------------------- writer
+def chunk_pieces(layout, chunk):
+    """(hf name, hf box, destination box inside the chunk) for every segment overlapping ``chunk``."""
+    nlead = layout.nlead(chunk.key)
+    lead = tuple(b[0] for b in chunk.box[:nlead])
+    origin = tuple(b[0] for b in chunk.box)
+    out = []
+    for seg in layout.segment_index().get((chunk.key, lead), ()):
+        sub = box_intersect(seg.box, chunk.box)
+        if sub is not None:
+            out.append((seg.hf, seg.target_to_hf(sub), box_shift(sub, origin)))
+    return out
+
+
+def write_torch_dist(out_dir: str, layout, read_hf, dtype: torch.dtype, workers: int = 2,
+                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False) -> dict:
+    """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
+
+    ``read_hf(name, box) -> Tensor`` supplies HF data. Files go to ``out_dir.partial-*`` and are renamed
+    into place only after ``.metadata`` is complete. Returns a summary dict."""
+    if os.path.exists(out_dir) and not overwrite:
+        raise DistCkptError(f"--out {out_dir} exists; pass --overwrite to replace it")
+    chunks = layout.chunks()
+    by_rank = defaultdict(list)
+    for c in chunks:
+        by_rank[c.rank].append(("T", c))
+    for key, shape, offset in layout.objects:
+        by_rank[layout.object_owner(shape, offset)].append(("O", (key, shape, offset)))
+    tmp = f"{out_dir.rstrip('/')}.partial-{os.getpid()}"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = sum(box_numel(c.box) for c in chunks) * itemsize
+    bar = Progress(total, "hf2mcore", enabled=progress)
+    budget = ByteBudget(max_memory)
+    results, lock = {}, threading.Lock()
+    obj_payload = _save_bytes([None])
+
+    def write_rank(rank):
+        fn = f"__{rank}_0.distcp"
+        local = {}
+        with open(os.path.join(tmp, fn), "wb", buffering=0) as f:
+            for kind, item in by_rank[rank]:
+                off = f.tell()
+                if kind == "O":
+                    key, shape, offset = item
+                    f.write(obj_payload)
+                    local[MetadataIndex(layout.object_dcp_key(key, shape, offset))] = \
+                        _StorageInfo(fn, off, len(obj_payload))
+                    continue
+                c = item
+                shp = box_shape(c.box)
+                nb = box_numel(c.box) * itemsize
+                with budget(nb):
+                    pieces = chunk_pieces(layout, c)
+                    t = torch.empty(shp, dtype=dtype)
+                    if sum(box_numel(p[2]) for p in pieces) != box_numel(c.box):
+                        t.zero_()  # vocab padding rows
+                    for hf, hbox, dbox in pieces:
+                        src = read_hf(hf, hbox)
+                        t[box_slices(dbox)].copy_(src.reshape(box_shape(dbox)))
+                    buf = io.BytesIO()
+                    torch.save(t, buf)
+                    del t
+                    f.write(buf.getbuffer())
+                    length = buf.tell()
+                    del buf
+                local[MetadataIndex(c.key, torch.Size([b[0] for b in c.box]))] = _StorageInfo(fn, off, length)
+                bar.update(nb)
+            os.fsync(f.fileno())
+        with lock:
+            results.update(local)
+
+    t0 = time.time()
+    try:
+        ranks = sorted(by_rank)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+            for fut in [ex.submit(write_rank, r) for r in ranks]:
+                fut.result()
+        bar.close()
+        sdm = {}
+        for key, ts in layout.tensors.items():
+            sdm[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(ts.shape), [])
+        for c in chunks:
+            sdm[c.key].chunks.append(ChunkStorageMetadata(torch.Size([b[0] for b in c.box]),
+                                                          torch.Size(box_shape(c.box))))
+        for key, shape, offset in layout.objects:
+            sdm[layout.object_dcp_key(key, shape, offset)] = BytesStorageMetadata()
+        md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=results,
+                      storage_meta=StorageMeta(), version="1.0.0")
+        md.mcore_data = {k: {} for k in layout.tensors}
+        if len(results) != len(chunks) + len(layout.objects):
+            raise DistCkptError(f"internal: wrote {len(results)} items, planned {len(chunks) + len(layout.objects)}")
+        torch.save({}, os.path.join(tmp, "common.pt"))
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump(METADATA_JSON, f)
+        with open(os.path.join(tmp, ".metadata"), "wb") as f:
+            pickle.dump(md, f)
+            os.fsync(f.fileno())
+        if os.path.exists(out_dir):
+            old = f"{out_dir.rstrip('/')}.old-{os.getpid()}"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dt = time.time() - t0
+    return {"out": out_dir, "files": len(by_rank), "chunks": len(chunks), "objects": len(layout.objects),
+            "bytes": total, "seconds": dt, "ranks": len(by_rank)}
+
+
+# -------------------------------------------------------------------------------------------- reader
+class TorchDistReader:
+    """Reads any megatron-core torch_dist checkpoint: ``.metadata`` via torch's FileSystemReader, chunk
+    bytes by (file, offset, length). ``prefix`` is auto-detected (``model.`` in verl training checkpoints)."""
+
+    def __init__(self, path: str, prefix: str | None = None, cache_bytes: int = 1 << 30):
+        self.path = path
+        if not os.path.isdir(path):
+            raise DistCkptError(f"{path}: not a directory")
+        mj = os.path.join(path, "metadata.json")
+        if not os.path.isfile(mj):
+            raise DistCkptError(f"{path}: no metadata.json - not a megatron dist checkpoint")
+        try:
+            with open(mj) as f:
+                backend = json.load(f).get("sharded_backend")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise DistCkptError(f"{mj}: unreadable ({e})") from None
+        if backend != "torch_dist":
+            raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            md = FileSystemReader(path).read_metadata()
+        except FileNotFoundError:
+            raise DistCkptError(f"{path}: no .metadata file") from None
+        except Exception as e:  # noqa: BLE001 - unpickling a corrupted file raises anything
+            raise DistCkptError(f"{path}/.metadata: corrupted or unreadable ({type(e).__name__}: {e})") from None
+        if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+            raise DistCkptError(f"{path}/.metadata: not a torch DCP Metadata object")
+        self.md = md
+        self.tensors: dict[str, tuple] = {}
+        self.objects: set = set()
+        for k, v in md.state_dict_metadata.items():
+            if isinstance(v, TensorStorageMetadata):
+                self.tensors[k] = v
+            else:
+                self.objects.add(k)
+        self.storage = md.storage_data or {}
+        if prefix is None:
+            prefix = self._detect_prefix()
+        self.prefix = prefix
+        self._chunk_index = None
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_bytes, self._cache_max = 0, cache_bytes
+        self._lock = threading.Lock()
+        missing_files = sorted({si.relative_path for si in self.storage.values()
+                                if not os.path.isfile(os.path.join(path, si.relative_path))})
+        if missing_files:
+            raise DistCkptError(f"{path}: missing data file {missing_files[0]}"
+                                + (f" (and {len(missing_files) - 1} more)" if len(missing_files) > 1 else ""))
+
+    def _detect_prefix(self) -> str:
+        cands = sorted((k[: -len("embedding.word_embeddings.weight")] for k in self.tensors
+                        if k.endswith("embedding.word_embeddings.weight")), key=len)
+        if not cands:
+            raise DistCkptError(f"{self.path}: no '*embedding.word_embeddings.weight' key - not a GPT model checkpoint")
+        return cands[0]
+
+    def model_keys(self) -> list[str]:
+        """Tensor keys under the model prefix (optimizer state and other entries are skipped)."""
+        p = self.prefix
+        return [k for k in self.tensors if k.startswith(p) and not k.startswith(p + "optimizer")]
+
+    def chunks(self, key: str) -> list[tuple[Box, object]]:
+        if self._chunk_index is None:
+            idx = defaultdict(list)
+            for mi, si in self.storage.items():
+                if mi.offset is not None and mi.fqn in self.tensors:
+                    idx[mi.fqn].append((tuple(mi.offset), si))
+            out = {}
+            for k, v in self.tensors.items():
+                sizes = {tuple(c.offsets): tuple(c.sizes) for c in v.chunks}
+                lst = []
+                for off, si in idx.get(k, ()):
+                    sz = sizes.get(off)
+                    if sz is None:
+                        raise DistCkptError(f"{self.path}: storage entry for {k} at {off} has no chunk metadata")
+                    lst.append((tuple((o, o + s) for o, s in zip(off, sz)), si))
+                if len(lst) != len(v.chunks):
+                    raise DistCkptError(f"{self.path}: {k} lists {len(v.chunks)} chunks but {len(lst)} have data")
+                out[k] = lst
+            self._chunk_index = out
+        return self._chunk_index[key]
+
+    def chunk_query(self, key: str, box: Box):
+        """Chunks of ``key`` overlapping ``box`` (indexed on the first two dims: layer, expert)."""
+        idx = self._qindex.get(key) if hasattr(self, "_qindex") else None
+        if idx is None:
+            if not hasattr(self, "_qindex"):
+                self._qindex = {}
+            idx = self._qindex[key] = _IntervalIndex(self.chunks(key), 0)
+        return idx.query(box)
+
+    def coverage(self, key: str) -> tuple[bool, str]:
+        """Every element of ``key`` stored exactly once (a gap would load as zeros in megatron)."""
+        return boxes_disjoint_cover([b for b, _ in self.chunks(key)], tuple(self.tensors[key].size))
+
+    def shape(self, key):
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key):
+        return self.tensors[key].properties.dtype
+
+    def load_chunk(self, key: str, box: Box, si) -> torch.Tensor:
+        ck = (key, box)
+        with self._lock:
+            t = self._cache.get(ck)
+            if t is not None:
+                self._cache.move_to_end(ck)
+                return t
+        fp = os.path.join(self.path, si.relative_path)
+        with open(fp, "rb") as f:
+            f.seek(si.offset)
+            b = f.read(si.length)
+        if len(b) != si.length:
+            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
+        try:
+            t = torch.load(io.BytesIO(b), weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise DistCkptError(f"{fp}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
+        if tuple(t.shape) != box_shape(box):
+            raise DistCkptError(f"{fp}: chunk of {key} has shape {tuple(t.shape)}, metadata says {box_shape(box)}")
+        nb = t.numel() * t.element_size()
+        with self._lock:
+            if nb <= self._cache_max:
+                self._cache[ck] = t
+                self._cache_bytes += nb
+                while self._cache_bytes > self._cache_max:
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_bytes -= old.numel() * old.element_size()
+        return t
+
+    def read_box(self, key: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Assemble ``box`` of global tensor ``key`` from the chunks overlapping it."""
+        out = torch.empty(box_shape(box), dtype=dtype or self.dtype(key))
+        covered = 0
+        origin = tuple(b[0] for b in box)
+        for cbox, si in self.chunk_query(key, box):
+            sub = box_intersect(cbox, box)
+            if sub is None:
+                continue
+            t = self.load_chunk(key, cbox, si)
+            src = t[box_slices(box_shift(sub, tuple(b[0] for b in cbox)))]
+            out[box_slices(box_shift(sub, origin))].copy_(src)
+            covered += box_numel(sub)
+        if covered != box_numel(box):
+            raise DistCkptError(f"{self.path}: {key} box {box} is only {covered}/{box_numel(box)} covered by chunks")
+        return out
+
+
+class _IntervalIndex:
+    """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
+
+    def __init__(self, items, d: int, depth: int = 2):
+        import bisect  # noqa: F401
+
+        self.d = d
+        ndim = len(items[0][0]) if items else 0
+        if d >= ndim or depth == 0:
+            self.leaf, self.items = True, items
+            return
+        self.leaf = False
+        buckets = defaultdict(list)
+        for it in items:
+            buckets[it[0][d]].append(it)
+        self.ivs = sorted(buckets)
+        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.ivs, self.ivs[1:]))
+        self.starts = [iv[0] for iv in self.ivs]
+        self.children = [_IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
+
+    def query(self, box):
+        if self.leaf:
+            return self.items
+        import bisect
+
+        lo, hi = box[self.d]
+        if self.disjoint:
+            i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+            j = bisect.bisect_left(self.starts, hi)
+            rng = range(i, j)
+        else:
+            rng = range(len(self.ivs))
+        out = []
+        for k in rng:
+            a, b = self.ivs[k]
+            if a < hi and b > lo:
+                out.extend(self.children[k].query(box))
+        return out

@@ -1,0 +1,209 @@
+"""Every checkpoint format seen as a view of HF tensor space: ``read(hf_name, box) -> Tensor``.
+
+HFView reads safetensors; McoreView reads a torch_dist checkpoint through the Megatron layout's segments;
+VllmView reads per-rank vLLM shards through the vLLM layout's segments. Conversion, resharding and
+verification are all "read HF boxes from one view, place them by another layout".
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from .hf import HFError, HFReader
+from .layout import Box, LayoutError, VllmParallel, box_intersect, box_numel, box_shape, box_shift, box_slices, full_box
+from .mapping import MegatronLayout, VllmLayout, hf_shapes
+from .model_config import ModelConfig, load_config
+from .torch_dist import DistCkptError, TorchDistReader
+
+VLLM_META = "vllm_layout.json"
+
+
+class FormatError(ValueError):
+    pass
+
+
+def _full(shape, box):
+    return box if box is not None else full_box(shape)
+
+
+class HFView:
+    kind = "hf"
+
+    def __init__(self, path: str, cfg: ModelConfig | None = None):
+        self.path = path
+        self.cfg = cfg or load_config(path)
+        self.reader = HFReader(path)
+        self.shapes = hf_shapes(self.cfg)
+        self.dtype = self.reader.validate(self.shapes)
+
+    def names(self):
+        return list(self.shapes)
+
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        return self.reader.read(name, box)
+
+    def integrity(self) -> list[str]:
+        return []
+
+
+def detect_spec(keys, prefix: str) -> str:
+    return "te" if any(k == prefix + "decoder.layers.pre_mlp_layernorm.weight" for k in keys) else "local"
+
+
+class McoreView:
+    kind = "mcore"
+
+    def __init__(self, path: str, cfg: ModelConfig, prefix: str | None = None, spec: str | None = None,
+                 cache_bytes: int = 1 << 30):
+        self.path, self.cfg = path, cfg
+        self.ckpt = TorchDistReader(path, prefix=prefix, cache_bytes=cache_bytes)
+        keys = set(self.ckpt.model_keys())
+        self.spec = spec or detect_spec(keys, self.ckpt.prefix)
+        self.layout = MegatronLayout(cfg, self.spec, None, prefix=self.ckpt.prefix)
+        self.shapes = hf_shapes(cfg)
+        problems = []
+        for key, ts in self.layout.tensors.items():
+            if key not in self.ckpt.tensors:
+                problems.append(f"missing key {key}")
+                continue
+            got = self.ckpt.shape(key)
+            row = self.layout._rows[key]
+            if row.get("vocab") and len(got) == 2 and got[1] == ts.shape[1] and got[0] >= ts.shape[0]:
+                continue  # vocab padding rows: stripped on export
+            if got != ts.shape:
+                problems.append(f"{key} has global shape {list(got)}, the HF config implies {list(ts.shape)}")
+        if problems:
+            raise FormatError(f"{path}: checkpoint does not match the HF config ({cfg.model_type}, {cfg.layers} layers, "
+                              f"{cfg.experts} experts): {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        self.extra_keys = sorted(keys - set(self.layout.tensors))
+        if self.extra_keys:
+            raise FormatError(f"{path}: checkpoint holds model tensors the HF config does not explain, e.g. "
+                              f"{self.extra_keys[0]} - another model or a mismatched --hf-config?")
+        dts = {self.ckpt.dtype(k) for k in self.layout.tensors}
+        self.dtype = dts.pop() if len(dts) == 1 else None
+        self.hf_index = self.layout.hf_index()
+
+    def names(self):
+        return list(self.shapes)
+
+    def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        shp = self.shapes[name]
+        box = _full(shp, box)
+        out = None
+        for seg in self.hf_index[name]:
+            sub = box_intersect(seg.hf_box, box)
+            if sub is None:
+                continue
+            data = self.ckpt.read_box(seg.key, seg.hf_to_target(sub))
+            if out is None:
+                out = torch.empty(box_shape(box), dtype=dtype or data.dtype)
+            out[box_slices(box_shift(sub, [b[0] for b in box]))].copy_(data.reshape(box_shape(sub)))
+        return out
+
+    def integrity(self) -> list[str]:
+        """Coverage of every key (a gap loads silently as zeros) and presence of the spec's _extra_state."""
+        out = []
+        for key in self.layout.tensors:
+            ok, why = self.ckpt.coverage(key)
+            if not ok:
+                out.append(f"{key}: chunks do not cover the tensor exactly once: {why}")
+        for key, shape, offset in self.layout.objects:
+            dk = self.layout.object_dcp_key(key, shape, offset)
+            if dk not in self.ckpt.objects:
+                out.append(f"missing _extra_state object {dk} (megatron's loader fails without it)")
+        for key in self.layout.tensors:
+            row = self.layout._rows[key]
+            if row.get("vocab") and self.ckpt.shape(key)[0] > self.cfg.vocab:
+                pad = self.ckpt.read_box(key, ((self.cfg.vocab, self.ckpt.shape(key)[0]), (0, self.ckpt.shape(key)[1])))
+                if pad.count_nonzero():
+                    out.append(f"{key}: vocab padding rows are not zero")
+        return out
+
+
+class VllmView:
+    kind = "vllm"
+
+    def __init__(self, path: str, cfg: ModelConfig | None = None):
+        self.path = path
+        mp = os.path.join(path, VLLM_META)
+        if not os.path.isfile(mp):
+            raise FormatError(f"{path}: no {VLLM_META} - not a ckpt-tools vLLM shard directory")
+        with open(mp) as f:
+            meta = json.load(f)
+        self.cfg = cfg or load_config(os.path.join(path, "config.json"))
+        self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
+        self.layout = VllmLayout(self.cfg, self.par)
+        self.shapes = hf_shapes(self.cfg)
+        self._handles = {}
+        for r in range(self.par.world):
+            fp = os.path.join(path, f"rank_{r}", "model.safetensors")
+            if not os.path.isfile(fp):
+                raise FormatError(f"{path}: missing shard {fp}")
+            try:
+                self._handles[r] = safe_open(fp, framework="pt")
+            except Exception as e:  # noqa: BLE001
+                raise FormatError(f"{fp}: unreadable ({e})") from None
+        self.dtype = None
+        self.hf_index = {}
+        for r, tensors in enumerate(self.layout.ranks):
+            for ts in tensors.values():
+                for s in ts.segments:
+                    self.hf_index.setdefault(s.hf, []).append((r, s))
+
+    def names(self):
+        return list(self.shapes)
+
+    def rank_tensor(self, r: int, name: str) -> torch.Tensor:
+        return self._handles[r].get_tensor(name)
+
+    def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        """First copy of each region (replicated regions are compared rank by rank in verify)."""
+        shp = self.shapes[name]
+        box = _full(shp, box)
+        out, covered = None, []
+        for r, seg in self.hf_index[name]:
+            sub = box_intersect(seg.hf_box, box)
+            if sub is None or any(box_intersect(sub, c) == sub for c in covered):
+                continue
+            sl = self._handles[r].get_slice(seg.key)
+            tb = seg.hf_to_target(sub)
+            data = sl[box_slices(tb)]
+            if out is None:
+                out = torch.empty(box_shape(box), dtype=dtype or data.dtype)
+            out[box_slices(box_shift(sub, [b[0] for b in box]))].copy_(data.reshape(box_shape(sub)))
+            covered.append(sub)
+        return out
+
+    def integrity(self) -> list[str]:
+        out = []
+        for r, tensors in enumerate(self.layout.ranks):
+            have = set(self._handles[r].keys())
+            want = set(tensors)
+            if have != want:
+                miss, extra = sorted(want - have), sorted(have - want)
+                out.append(f"rank {r}: missing {miss[:3]} extra {extra[:3]}")
+                continue
+            for name, ts in tensors.items():
+                shp = tuple(self._handles[r].get_slice(name).get_shape())
+                if shp != ts.shape:
+                    out.append(f"rank {r}: {name} has shape {list(shp)}, vLLM expects {list(ts.shape)}")
+        return out
+
+
+def open_view(path: str, cfg: ModelConfig | None = None, prefix: str | None = None, spec: str | None = None):
+    """Detect the format of ``path`` (HF safetensors dir, torch_dist dir, vLLM shard dir) and open it."""
+    if os.path.isfile(os.path.join(path, VLLM_META)):
+        return VllmView(path, cfg)
+    if os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata")):
+        if cfg is None:
+            raise FormatError(f"{path} is a Megatron checkpoint: pass --hf-config DIR (an HF config.json) to read it")
+        return McoreView(path, cfg, prefix=prefix, spec=spec)
+    if os.path.isdir(path):
+        return HFView(path, cfg)
+    raise FormatError(f"{path}: no such directory")
+
+
+ERRORS = (FormatError, HFError, DistCkptError, LayoutError)

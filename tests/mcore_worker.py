@@ -1,0 +1,183 @@
+"""Reference runs of real megatron-core 0.12.1 on CPU (gloo, several processes), driven by the tests.
+
+python tests/mcore_worker.py '<json>' with keys:
+  hf: HF dir of the model; tp, pp, ep, etp, first, last: topology
+  load: dist-ckpt dir to load with dist_checkpointing.load (strict) - every local parameter is then
+        compared with the HF tensors under an *independent* reference transform written here in plain torch
+  save: dir to save this model's own sharded_state_dict with dist_checkpointing.save (weights copied from HF
+        with the same reference transform first, so the saved checkpoint equals the HF model)
+  keys_out: dump every ShardedTensor / ShardedObject the model asks for (key, global shape, offsets, replica)
+  forward: token ids -> logits (gathered over TP), written to out/logits.pt
+  out: result dir (rank_{r}.json per rank)
+"""
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts):
+    """Expected value of megatron local parameter ``name`` from the HF tensors (plain torch)."""
+    tp, tp_rank, etp, etp_rank, ep_rank = ranks
+    H, d, nq, nkv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    parts = name.split(".")
+    if name == "embedding.word_embeddings.weight":
+        return hf("model.embed_tokens.weight").chunk(tp)[tp_rank]
+    if name == "output_layer.weight":
+        return hf("lm_head.weight").chunk(tp)[tp_rank]
+    if name == "decoder.final_layernorm.weight":
+        return hf("model.norm.weight")
+    assert parts[0] == "decoder" and parts[1] == "layers", name
+    i = int(parts[2]) + layer_offset
+    p = f"model.layers.{i}."
+    rest = ".".join(parts[3:])
+    if rest == "input_layernorm.weight":
+        return hf(p + "input_layernorm.weight")
+    if rest == "pre_mlp_layernorm.weight":
+        return hf(p + "post_attention_layernorm.weight")
+    if rest == "self_attention.q_layernorm.weight":
+        return hf(p + "self_attn.q_norm.weight")
+    if rest == "self_attention.k_layernorm.weight":
+        return hf(p + "self_attn.k_norm.weight")
+    if rest == "self_attention.linear_qkv.weight":
+        q = hf(p + "self_attn.q_proj.weight").view(nkv, nq // nkv * d, H)
+        k = hf(p + "self_attn.k_proj.weight").view(nkv, d, H)
+        v = hf(p + "self_attn.v_proj.weight").view(nkv, d, H)
+        return torch.cat([q, k, v], dim=1).reshape(-1, H).chunk(tp)[tp_rank]
+    if rest == "self_attention.linear_proj.weight":
+        return hf(p + "self_attn.o_proj.weight").chunk(tp, dim=1)[tp_rank]
+    if rest == "mlp.router.weight":
+        return hf(p + "mlp.gate.weight")
+    if rest.startswith("mlp.experts.local_experts."):
+        e = ep_rank * num_local_experts + int(parts[6])
+        q = p + f"mlp.experts.{e}."
+        if rest.endswith("linear_fc1.weight"):
+            return torch.cat([hf(q + "gate_proj.weight").chunk(etp)[etp_rank], hf(q + "up_proj.weight").chunk(etp)[etp_rank]])
+        if rest.endswith("linear_fc2.weight"):
+            return hf(q + "down_proj.weight").chunk(etp, dim=1)[etp_rank]
+    raise KeyError(name)
+
+
+def run(rank, world, a):
+    from ckpt_tools import _mcore_cpu
+
+    _mcore_cpu.init_process(rank, world, a["port"])
+    _mcore_cpu.allow_tp_ep_without_sp()
+    import megatron.core.tensor_parallel as tpar
+    import contextlib
+
+    class _NoRng:  # dropout is 0: megatron's CUDA RNG tracker is not needed on CPU
+        def fork(self, *a, **k):
+            return contextlib.nullcontext()
+
+    tpar.get_cuda_rng_tracker = lambda *a, **k: _NoRng()
+    tpar.random.get_cuda_rng_tracker = tpar.get_cuda_rng_tracker
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from safetensors import safe_open
+
+    tp, pp, ep, etp = a["tp"], a["pp"], a["ep"], a.get("etp") or a["tp"]
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    cfg = json.load(open(os.path.join(a["hf"], "config.json")))
+    E = cfg.get("num_experts") or cfg.get("num_local_experts")
+    tc = TransformerConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_key_value_heads"], kv_channels=cfg["head_dim"], ffn_hidden_size=cfg["intermediate_size"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"], num_moe_experts=E, moe_router_topk=cfg["num_experts_per_tok"],
+        moe_router_load_balancing_type="none", moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
+        normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=False, layernorm_epsilon=cfg["rms_norm_eps"],
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=a.get("first"),
+        num_layers_in_last_pipeline_stage=a.get("last"), hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_softmax_in_fp32=True)
+    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=cfg["vocab_size"],
+                     max_sequence_length=cfg["max_position_embeddings"], pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", rotary_base=int(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    model.eval()
+    ranks = (tp, ps.get_tensor_model_parallel_rank(), etp, ps.get_expert_tensor_parallel_rank(),
+             ps.get_expert_model_parallel_rank())
+    offset = get_transformer_layer_offset(tc)
+    nle = E // ep
+    idx = json.load(open(os.path.join(a["hf"], "model.safetensors.index.json")))["weight_map"]
+    handles = {}
+
+    def hf(n):
+        fn = idx[n]
+        if fn not in handles:
+            handles[fn] = safe_open(os.path.join(a["hf"], fn), framework="pt")
+        return handles[fn].get_tensor(n)
+
+    res = {"rank": rank, "pp_rank": ps.get_pipeline_model_parallel_rank(), "offset": offset}
+    if a.get("keys_out"):
+        sd = model.sharded_state_dict()
+        apply_factories(sd)
+        items = []
+        for v in nested_values(sd):
+            if isinstance(v, ShardedTensor):
+                items.append(["T", v.key, list(v.global_shape), list(v.global_offset), list(v.local_shape),
+                              list(v.replica_id) if isinstance(v.replica_id, tuple) else [v.replica_id]])
+            elif isinstance(v, ShardedObject):
+                items.append(["O", v.unique_key, list(v.global_shape), list(v.global_offset), [],
+                              list(v.replica_id) if isinstance(v.replica_id, tuple) else [v.replica_id]])
+        res["keys"] = items
+    if a.get("save"):
+        with torch.no_grad():
+            for n, prm in model.named_parameters():
+                prm.copy_(reference_local_tensor(n, hf, cfg, ranks, offset, nle))
+        dist_checkpointing.save(model.sharded_state_dict(), a["save"])
+    if a.get("load"):
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm.fill_(12345.0)  # a parameter the load does not fill stays at this sentinel
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), a["load"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+        res["missing"] = [k for k in missing if not k.endswith("_extra_state")]
+        res["unexpected"] = list(unexpected)
+        bad, checked = [], 0
+        for n, prm in model.named_parameters():
+            want = reference_local_tensor(n, hf, cfg, ranks, offset, nle)
+            checked += 1
+            if prm.shape != want.shape or not torch.equal(prm.detach(), want.to(prm.dtype)):
+                bad.append(n)
+        res["checked"], res["bad"] = checked, bad
+    if a.get("forward"):
+        assert pp == 1
+        ids = torch.tensor(a["forward"], dtype=torch.long)
+        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        with torch.no_grad():
+            mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1]), diagonal=1).bool()[None, None]  # True = masked
+            logits = model(ids, pos, attention_mask=mask)
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits)
+        if rank == 0:
+            torch.save(logits, os.path.join(a["out"], "logits.pt"))
+    with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    world = a["pp"] * math.lcm(a["tp"], (a.get("etp") or a["tp"]) * a["ep"])
+    os.makedirs(a["out"], exist_ok=True)
+    torch.multiprocessing.spawn(run, args=(world, a), nprocs=world)
