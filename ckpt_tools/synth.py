@@ -19,8 +19,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
 
 def twin_config(hidden=32, head_dim=8, moe_ffn=16, vocab=160) -> dict:
     """Qwen3-235B-A22B's layer/expert/head counts (94 layers, 128 experts top-8, 64 q / 4 kv heads) with tiny widths."""
-    d = json.loads(load_config("qwen3-235b-a22b").raw.__repr__().replace("'", '"').replace("None", "null")
-                   .replace("True", "true").replace("False", "false"))
+    d = dict(load_config("qwen3-235b-a22b").raw)
     d.update(hidden_size=hidden, head_dim=head_dim, moe_intermediate_size=moe_ffn, intermediate_size=moe_ffn * 2,
              vocab_size=vocab)
     return d
