@@ -176,7 +176,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
             for n, ts in dst.ranks[r].items():
                 nb = dt.itemsize * _numel(ts.shape)
                 with budget(nb):
-                    t = plan.execute(r, fetch, dt, names={n})[n]
+                    t = plan.execute(r, fetch, dt, names=[n])[n]
                     w.write(n, t)
                     del t
                 bar.update(nb)
@@ -226,7 +226,6 @@ class _CheckpointChunks:
                     yield 0, seg.key, cbox, box_shift(inter, [b[0] for b in cbox]), seg.target_to_hf(inter)
 
     def fetch(self, rank, key, cbox):
-        for b, si in self.view.ckpt.chunk_query(key, cbox):
-            if b == cbox:
-                return self.view.ckpt.load_chunk(key, cbox, si)
-        raise KeyError((key, cbox))
+        if not hasattr(self, "_si"):
+            self._si = {(k, b): si for k in self.view.layout.tensors for b, si in self.view.ckpt.chunks(k)}
+        return self.view.ckpt.load_chunk(key, cbox, self._si[(key, cbox)])

@@ -102,9 +102,9 @@ class SyncPlan:
     def execute(self, dst_rank: int, fetch, dtype: torch.dtype, names=None) -> dict:
         """Build destination rank's tensors. ``fetch(src_rank, src_key, src_box) -> Tensor`` (the chunk)."""
         out = {}
-        for name, ts in self.dst.ranks[dst_rank].items():
-            if names is not None and name not in names:
-                continue
+        tensors = self.dst.ranks[dst_rank]
+        for name in (names if names is not None else tensors):
+            ts = tensors[name]
             t = torch.empty(ts.shape, dtype=dtype)
             if ts.zeros:
                 for z in ts.zeros:

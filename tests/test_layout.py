@@ -1,0 +1,46 @@
+"""Layout math against megatron-core's own functions and the box algebra."""
+import pytest
+import torch
+
+from ckpt_tools.layout import LayoutError, MegatronParallel, boxes_disjoint_cover, vllm_expert_range
+
+
+@pytest.mark.parametrize("L,pp,first,last", [(94, 8, 11, 11), (6, 3, 1, 2), (10, 4, 1, None), (10, 4, None, 4)])
+def test_stage_offsets_equal_megatron(monkeypatch, L, pp, first, last):
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    cfg = TransformerConfig(num_layers=L, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                            pipeline_dtype=torch.float32)
+    par = MegatronParallel.build(L, pp=pp, first=first, last=last)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: pp)
+    monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
+    for s in range(pp):
+        monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda s=s: s)
+        monkeypatch.setattr(ps, "is_pipeline_first_stage", lambda ignore_virtual=False, s=s: s == 0)
+        monkeypatch.setattr(ps, "is_pipeline_last_stage", lambda ignore_virtual=False, s=s: s == pp - 1)
+        assert get_transformer_layer_offset(cfg) == par.stage_offsets()[s]
+        assert get_num_layers_to_build(cfg) == par.layers_per_stage[s]
+
+
+def test_cover_checker_catches_gap_and_overlap():
+    full = [((0, 2), (0, 4)), ((2, 4), (0, 4))]
+    assert boxes_disjoint_cover(full, (4, 4))[0]
+    assert not boxes_disjoint_cover(full[:1], (4, 4))[0]
+    assert not boxes_disjoint_cover(full + [((1, 2), (1, 2))], (4, 4))[0]
+    # equal volume but one overlap and one gap
+    assert not boxes_disjoint_cover([((0, 2), (0, 4)), ((1, 3), (0, 4))], (3, 4))[0]
+
+
+def test_vllm_expert_placement():
+    assert [vllm_expert_range(128, 8, r) for r in (0, 7)] == [(0, 16), (112, 128)]
+    assert [vllm_expert_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def test_pp_without_stage_flags_must_divide():
+    with pytest.raises(LayoutError, match="--pp"):
+        MegatronParallel.build(94, pp=8)
+    assert MegatronParallel.build(94, pp=8, layer_list=[11] + [12] * 6 + [11]).layers_per_stage[0] == 11

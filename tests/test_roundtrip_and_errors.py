@@ -1,0 +1,251 @@
+"""Round trips through every direction, and bad input: each a clear error with nothing complete-looking left."""
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from ckpt_tools import cli, convert
+from ckpt_tools.layout import LayoutError, MegatronParallel
+from ckpt_tools.views import ERRORS, HFView, McoreView, VllmView
+from ckpt_tools.verify import verify
+
+UNEVEN = dict(tp=2, pp=3, ep=2, first=1, last=2)
+
+
+def _no_partial(parent):
+    return [f for f in os.listdir(parent) if ".partial-" in f]
+
+
+def test_hf_mcore_hf_roundtrip_bitwise_and_logits(tiny_hf_bf16, tmp_path):
+    from transformers import Qwen3MoeForCausalLM
+
+    mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
+    convert.hf2mcore(tiny_hf_bf16, mc, spec="te", progress=False, **UNEVEN)
+    convert.mcore2hf(mc, back, tiny_hf_bf16, max_shard_size=100_000, progress=False)
+    idx = json.load(open(os.path.join(back, "model.safetensors.index.json")))
+    assert len(set(idx["weight_map"].values())) > 1  # really sharded
+    assert set(idx["weight_map"]) == set(HFView(tiny_hf_bf16).shapes)
+    rep = verify(HFView(tiny_hf_bf16), HFView(back), progress=False)
+    assert rep["ok"] and rep["mismatched"] == 0 and rep["compared"] == 201
+    a = Qwen3MoeForCausalLM.from_pretrained(tiny_hf_bf16).eval()
+    b = Qwen3MoeForCausalLM.from_pretrained(back).eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
+    mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
+    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, dtype="fp32", vocab_size_divisible_by=384, progress=False)
+    md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
+    emb = md.state_dict_metadata["embedding.word_embeddings.weight"]
+    assert tuple(emb.size) == (384, 64) and emb.properties.dtype == torch.float32
+    v = McoreView(mc, HFView(tiny_hf_bf16).cfg)
+    assert v.integrity() == []
+    assert verify(HFView(tiny_hf_bf16), v, progress=False)["ok"]
+    convert.mcore2hf(mc, back, tiny_hf_bf16, dtype="bf16", progress=False)  # padding stripped
+    assert verify(HFView(tiny_hf_bf16), HFView(back), progress=False)["ok"]
+
+
+def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
+    """A verl training checkpoint: keys under 'model.' beside optimizer state."""
+    from ckpt_tools.mapping import MegatronLayout
+    from ckpt_tools.model_config import load_config
+    from ckpt_tools.torch_dist import write_torch_dist
+
+    cfg = load_config(tiny_hf)
+    lay = MegatronLayout(cfg, "local", MegatronParallel.build(cfg.layers, tp=2), prefix="model.")
+    hv = HFView(tiny_hf)
+    out = str(tmp_path / "train")
+    write_torch_dist(out, lay, hv.read, torch.float32, progress=False)
+    md = pickle.load(open(os.path.join(out, ".metadata"), "rb"))
+    # add an optimizer entry as in global_step_N/actor/dist_ckpt
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    md.state_dict_metadata["optimizer.state.exp_avg.decoder.final_layernorm.weight"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([64]), [])
+    pickle.dump(md, open(os.path.join(out, ".metadata"), "wb"))
+    v = McoreView(out, cfg)
+    assert v.ckpt.prefix == "model."
+    back = str(tmp_path / "back")
+    convert.mcore2hf(out, back, tiny_hf, progress=False)
+    assert verify(hv, HFView(back), progress=False)["ok"]
+
+
+def test_verify_detects_a_single_flipped_bit(tiny_hf, tmp_path):
+    mc = str(tmp_path / "mc")
+    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", progress=False)
+    md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
+    mi = next(m for m in md.storage_data if m.fqn == "decoder.layers.self_attention.linear_qkv.weight")
+    si = md.storage_data[mi]
+    import io
+    fp = os.path.join(mc, si.relative_path)
+    raw = open(fp, "rb").read()
+    t = torch.load(io.BytesIO(raw[si.offset:si.offset + si.length]))
+    t.view(-1)[7] = torch.nextafter(t.view(-1)[7], torch.tensor(1e9))  # one ulp
+    b = io.BytesIO()
+    torch.save(t, b)
+    assert len(b.getvalue()) == si.length
+    open(fp, "wb").write(raw[:si.offset] + b.getvalue() + raw[si.offset + si.length:])
+    rc = cli.main(["verify", "--hf", tiny_hf, "--mcore", mc, "--no-progress", "--json", str(tmp_path / "r.json")])
+    assert rc == 1
+    rep = json.load(open(tmp_path / "r.json"))
+    bad = [r for r in rep["tensors"] if not r["equal"]]
+    assert len(bad) == 1 and bad[0]["mismatched"] == 1 and "self_attn" in bad[0]["tensor"]
+
+
+def test_verify_detects_missing_chunk(tiny_hf, tmp_path):
+    mc = str(tmp_path / "mc")
+    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", progress=False)
+    md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
+    k = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    gone = md.state_dict_metadata[k].chunks.pop()
+    md.storage_data = {m: s for m, s in md.storage_data.items() if not (m.fqn == k and tuple(m.offset) == tuple(gone.offsets))}
+    pickle.dump(md, open(os.path.join(mc, ".metadata"), "wb"))
+    v = McoreView(mc, HFView(tiny_hf).cfg)
+    assert any("do not cover" in p for p in v.integrity())
+    assert cli.main(["verify", "--hf", tiny_hf, "--mcore", mc, "--no-progress"]) != 0
+
+
+def test_reshard_from_hf_and_mcore_agree(tiny_hf, tmp_path):
+    mc = str(tmp_path / "mc")
+    convert.hf2mcore(tiny_hf, mc, progress=False, **UNEVEN)
+    a, b = str(tmp_path / "va"), str(tmp_path / "vb")
+    convert.reshard(tiny_hf, a, tp=8, progress=False)  # 4 kv heads on 8 ranks
+    convert.reshard(mc, b, tp=4, ep=8, hf_config=tiny_hf, progress=False)
+    for d in (a, b):
+        vv = VllmView(d)
+        assert vv.integrity() == []
+        assert verify(vv, HFView(tiny_hf), progress=False)["ok"]
+        assert verify(McoreView(mc, vv.cfg), vv, progress=False)["ok"]
+    assert cli.main(["verify", "--vllm", a, "--mcore", mc, "--hf-config", tiny_hf, "--no-progress"]) == 0
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _err(fn, *a, match, **kw):
+    with pytest.raises(ERRORS) as ei:
+        fn(*a, **kw)
+    assert match in str(ei.value), str(ei.value)
+    return str(ei.value)
+
+
+def test_truncated_safetensors(tiny_hf, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(tiny_hf, bad)
+    fn = sorted(f for f in os.listdir(bad) if f.endswith(".safetensors"))[3]
+    p = os.path.join(bad, fn)
+    os.truncate(p, os.path.getsize(p) - 100)
+    _err(convert.hf2mcore, bad, str(tmp_path / "out"), progress=False, match=fn)
+    assert not os.path.exists(tmp_path / "out") and _no_partial(tmp_path) == []
+
+
+def test_missing_and_wrong_shape_tensor(tiny_hf, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for case in ("missing", "shape"):
+        bad = str(tmp_path / case)
+        shutil.copytree(tiny_hf, bad)
+        idx = json.load(open(os.path.join(bad, "model.safetensors.index.json")))
+        name = "model.layers.2.mlp.experts.5.up_proj.weight"
+        fn = idx["weight_map"][name]
+        sd = load_file(os.path.join(bad, fn))
+        if case == "missing":
+            del sd[name]
+            del idx["weight_map"][name]
+            json.dump(idx, open(os.path.join(bad, "model.safetensors.index.json"), "w"))
+        else:
+            sd[name] = sd[name][:-1]
+        save_file(sd, os.path.join(bad, fn))
+        msg = _err(convert.hf2mcore, bad, str(tmp_path / "out"), progress=False, match=name)
+        assert ("missing" in msg) if case == "missing" else ("shape" in msg)
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tp=3), "--tp"), (dict(ep=3), "--ep"), (dict(tp=8), "num_key_value_heads"),
+    (dict(pp=4), "--pp"), (dict(pp=3, layer_list=[2, 2, 1]), "--layer-list"),
+    (dict(pp=3, layer_list=[2, 2]), "--layer-list"),
+    (dict(pp=4, first=1, last=2), "middle"), (dict(pp=3, first=4, last=4), "middle"), (dict(etp=3), "--etp"),
+])
+def test_bad_topology_is_one_line_error(tiny_hf, tmp_path, kw, match):
+    msg = _err(convert.hf2mcore, tiny_hf, str(tmp_path / "out"), progress=False, match=match, **kw)
+    assert "\n" not in msg
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_existing_output_needs_overwrite(tiny_hf, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    open(os.path.join(out, "keep"), "w").write("x")
+    rc = cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress"])
+    assert rc == 2 and "--overwrite" in capsys.readouterr().err
+    assert os.listdir(out) == ["keep"]
+    assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 0
+    assert "keep" not in os.listdir(out) and ".metadata" in os.listdir(out)
+
+
+def test_interrupted_write_leaves_nothing(tiny_hf, tmp_path):
+    view = HFView(tiny_hf)
+    calls = {"n": 0}
+
+    def flaky(name, box):
+        calls["n"] += 1
+        if calls["n"] == 50:
+            raise OSError("disk went away")
+        return view.read(name, box)
+
+    from ckpt_tools.mapping import MegatronLayout
+    from ckpt_tools.torch_dist import write_torch_dist
+
+    lay = MegatronLayout(view.cfg, "te", MegatronParallel.build(view.cfg.layers, tp=2))
+    with pytest.raises(OSError):
+        write_torch_dist(str(tmp_path / "out"), lay, flaky, torch.float32, progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_mcore_bad_inputs(tiny_hf, tiny_hf_bf16, tmp_path):
+    mc = str(tmp_path / "mc")
+    convert.hf2mcore(tiny_hf, mc, tp=2, progress=False)
+    # corrupted .metadata
+    c1 = str(tmp_path / "c1")
+    shutil.copytree(mc, c1)
+    with open(os.path.join(c1, ".metadata"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00garbage\xff" * 20)
+    _err(convert.mcore2hf, c1, str(tmp_path / "o1"), tiny_hf, progress=False, match=".metadata")
+    # missing .distcp file
+    c2 = str(tmp_path / "c2")
+    shutil.copytree(mc, c2)
+    os.remove(os.path.join(c2, "__1_0.distcp"))
+    _err(convert.mcore2hf, c2, str(tmp_path / "o2"), tiny_hf, progress=False, match="__1_0.distcp")
+    # a checkpoint of another model / mismatched hf-config
+    other = str(tmp_path / "other_cfg")
+    os.makedirs(other)
+    cfg = json.load(open(os.path.join(tiny_hf, "config.json")))
+    cfg["num_hidden_layers"] = 4
+    json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
+    _err(convert.mcore2hf, mc, str(tmp_path / "o3"), other, progress=False, match="does not match the HF config")
+    cfg["num_hidden_layers"], cfg["moe_intermediate_size"] = 6, 48
+    json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
+    _err(convert.mcore2hf, mc, str(tmp_path / "o4"), other, progress=False, match="global shape")
+    # not a checkpoint
+    _err(convert.mcore2hf, tiny_hf, str(tmp_path / "o5"), tiny_hf, progress=False, match="metadata.json")
+    for o in ("o1", "o2", "o3", "o4", "o5"):
+        assert not os.path.exists(tmp_path / o)
+    assert _no_partial(tmp_path) == []
+
+
+def test_plan_real_235b(capsys, tmp_path):
+    rc = cli.main(["plan", "--config", "qwen3-235b-a22b", "--pp", "8", "--tp", "4", "--ep", "4",
+                   "--num-layers-in-first-pipeline-stage", "11", "--num-layers-in-last-pipeline-stage", "11",
+                   "--vllm-tp", "8", "--vllm-ep", "8", "--json", str(tmp_path / "p.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    p = json.load(open(tmp_path / "p.json"))
+    assert p["layers_per_stage"] == [11, 12, 12, 12, 12, 12, 12, 11] and p["world"] == 128
+    assert 234e9 < p["params"] < 236e9 and p["params"] == p["hf_params"]  # 235B, every element once
+    assert p["files"] == 128
+    assert p["vllm"]["padded_vocab"] == 151936
+    assert "predicted hf2mcore time" in out
