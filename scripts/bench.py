@@ -63,10 +63,11 @@ def run_step(cmd: list[str]) -> dict:
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     anon = [0]
+    done = threading.Event()
 
-    def sample():
+    def sample():  # must not reap the child (os.wait4 below does, to get its own rusage)
         path = f"/proc/{p.pid}/status"
-        while p.poll() is None:
+        while not done.is_set():
             try:
                 for line in open(path):
                     if line.startswith("RssAnon:"):
@@ -78,6 +79,7 @@ def run_step(cmd: list[str]) -> dict:
     th = threading.Thread(target=sample, daemon=True)
     th.start()
     _, status, ru = os.wait4(p.pid, 0)
+    done.set()
     p.returncode = os.waitstatus_to_exitcode(status)
     err = p.stderr.read()
     dt = time.time() - t0
