@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .fsutil import publish, staging
 from .hf import HFShardWriter, copy_side_files
 from .layout import LayoutError, MegatronParallel, VllmParallel
 from .mapping import MegatronLayout, VllmLayout
@@ -31,22 +32,10 @@ def _dtype(name, default):
 
 
 def _staging(out: str, overwrite: bool) -> str:
-    if os.path.exists(out) and not overwrite:
-        raise FormatError(f"--out {out} exists; pass --overwrite to replace it")
-    tmp = f"{out.rstrip('/')}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
+    return staging(out, overwrite, FormatError)
 
 
-def _publish(tmp: str, out: str):
-    if os.path.exists(out):
-        old = f"{out.rstrip('/')}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
+_publish = publish
 
 
 def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None):

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
+from .fsutil import publish, staging
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
 from .progress import ByteBudget, Progress
 
@@ -67,16 +68,13 @@ def write_torch_dist(out_dir: str, layout, read_hf, dtype: torch.dtype, workers:
     into place only after ``.metadata`` is complete. Returns a summary dict."""
     if os.path.exists(out_dir) and not overwrite:
         raise DistCkptError(f"--out {out_dir} exists; pass --overwrite to replace it")
-    chunks = layout.chunks()
+    chunks = layout.chunks()  # validates the topology before anything is written
     by_rank = defaultdict(list)
     for c in chunks:
         by_rank[c.rank].append(("T", c))
     for key, shape, offset in layout.objects:
         by_rank[layout.object_owner(shape, offset)].append(("O", (key, shape, offset)))
-    tmp = f"{out_dir.rstrip('/')}.partial-{os.getpid()}"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
+    tmp = staging(out_dir, overwrite, DistCkptError)
     itemsize = torch.empty((), dtype=dtype).element_size()
     total = sum(box_numel(c.box) for c in chunks) * itemsize
     bar = Progress(total, "hf2mcore", enabled=progress)
@@ -145,13 +143,7 @@ def write_torch_dist(out_dir: str, layout, read_hf, dtype: torch.dtype, workers:
         with open(os.path.join(tmp, ".metadata"), "wb") as f:
             pickle.dump(md, f)
             os.fsync(f.fileno())
-        if os.path.exists(out_dir):
-            old = f"{out_dir.rstrip('/')}.old-{os.getpid()}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
+        publish(tmp, out_dir)
     except BaseException:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
