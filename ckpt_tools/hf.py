@@ -43,7 +43,6 @@ class HFReader:
         self._handles = {}
         self.files = files
         self.meta: dict[str, tuple[str, tuple, torch.dtype]] = {}
-        self._lock = threading.Lock()
         for fn in files:
             fp = os.path.join(path, fn)
             if not os.path.isfile(fp):

@@ -195,6 +195,7 @@ class TorchDistReader:
             prefix = self._detect_prefix()
         self.prefix = prefix
         self._chunk_index = None
+        self._qindex: dict = {}
         self._cache: OrderedDict = OrderedDict()
         self._cache_bytes, self._cache_max = 0, cache_bytes
         self._lock = threading.Lock()
@@ -239,10 +240,8 @@ class TorchDistReader:
 
     def chunk_query(self, key: str, box: Box):
         """Chunks of ``key`` overlapping ``box`` (indexed on the first two dims: layer, expert)."""
-        idx = self._qindex.get(key) if hasattr(self, "_qindex") else None
+        idx = self._qindex.get(key)
         if idx is None:
-            if not hasattr(self, "_qindex"):
-                self._qindex = {}
             idx = self._qindex[key] = _IntervalIndex(self.chunks(key), 0)
         return idx.query(box)
 
@@ -307,8 +306,6 @@ class _IntervalIndex:
     """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
 
     def __init__(self, items, d: int, depth: int = 2):
-        import bisect  # noqa: F401
-
         self.d = d
         ndim = len(items[0][0]) if items else 0
         if d >= ndim or depth == 0:

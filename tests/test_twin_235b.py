@@ -122,8 +122,7 @@ def _vllm_reference(hf, cfg, tp, r, name, ep=1):
                                            hf.read(p + f"mlp.experts.{e}.up_proj.weight").chunk(mt)[mr]])
                                 for e in experts])
         return torch.stack([hf.read(p + f"mlp.experts.{e}.down_proj.weight").chunk(mt, dim=1)[mr] for e in experts])
-    hfname = name.replace("self_attn.q_norm", "self_attn.q_norm")
-    return hf.read(hfname)
+    return hf.read(name)
 
 
 @pytest.mark.parametrize("ep", [1, 8])
