@@ -5,17 +5,15 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .fsutil import publish, staging
 from .hf import HFShardWriter, copy_side_files
-from .layout import LayoutError, MegatronParallel, VllmParallel
+from .layout import LayoutError, MegatronParallel, VllmParallel, boxes_disjoint_cover
 from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
-from .progress import ByteBudget, Progress
-from .syncplan import HFSource, MegatronSource, SyncPlan
+from .progress import Progress
 from .torch_dist import write_torch_dist
 from .views import VLLM_META, FormatError, HFView, McoreView, open_view
 
@@ -52,7 +50,7 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     layout.validate()
     view = HFView(hf, cfg)
     dt = _dtype(dtype, view.dtype)
-    res = write_torch_dist(out, layout, view.read, dt, workers=workers, max_memory=max_memory,
+    res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
                            progress=progress, overwrite=overwrite)
     with open(os.path.join(out, SIDE_CAR), "w") as f:
         json.dump({"source": os.path.abspath(hf), "spec": spec, "dtype": str(dt), "pp": par.pp, "tp": par.tp,
@@ -60,6 +58,30 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
                    "world": par.world, "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}, f, indent=1)
     res.update(topology=par.describe(), spec=spec, dtype=str(dt))
     return res
+
+
+def _copy_into(items, workers, max_memory, bar):
+    from .engine import EngineError, run_copy
+
+    try:
+        return run_copy(items, workers=workers, max_memory=max_memory, progress=bar)
+    except EngineError as e:
+        raise FormatError(str(e)) from None
+
+
+def _hf_items(view, records):
+    """(record, copy ops) filling each HF-named destination record from ``view``'s sources, lazily; checks
+    that the stored chunks cover the tensor."""
+    from .engine import Op, full_box
+
+    for rec in records:
+        ops, covered = [], 0
+        for srec, sbox, hsub in view.sources(rec.what, full_box(rec.shape)):
+            ops.append(Op(srec, sbox, rec, hsub))
+            covered += _numel([b - a for a, b in hsub])
+        if covered != _numel(rec.shape):
+            raise FormatError(f"{view.path}: {rec.what} is only {covered}/{_numel(rec.shape)} covered by stored chunks")
+        yield rec, ops
 
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
@@ -76,24 +98,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     try:
         writer = HFShardWriter(tmp, [(n, view.shapes[n], dt) for n in names], max_shard_size)
         bar = Progress(writer.total, "mcore2hf", enabled=progress)
-        budget = ByteBudget(max_memory)
-        # one task per output shard file: each worker streams its shard's tensors in order
-        groups = {}
-        for n in names:
-            groups.setdefault(writer.file_of[n], []).append(n)
-
-        def run(group):
-            for n in group:
-                nb = dt.itemsize * _numel(view.shapes[n])
-                with budget(nb):
-                    t = view.read(n, dtype=dt)
-                    writer.write(n, t)
-                    del t
-                bar.update(nb)
-
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-            for fut in [ex.submit(run, g) for g in groups.values()]:
-                fut.result()
+        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar)
         bar.close()
         index = writer.finish()
         copied = copy_side_files(hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config), tmp)
@@ -106,7 +111,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         raise
     return {"out": out, "tensors": len(names), "bytes": index["metadata"]["total_size"],
             "shards": len(set(index["weight_map"].values())), "seconds": time.time() - t0,
-            "spec": view.spec, "prefix": view.ckpt.prefix, "dtype": str(dt)}
+            "spec": view.spec, "prefix": view.ckpt.prefix, "dtype": str(dt), "engine": stats}
 
 
 def _numel(shape):
@@ -139,43 +144,43 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         problems = view.integrity()
         if problems:
             raise FormatError(f"{src}: {problems[0]}")
-        source = _CheckpointChunks(view)
-        plan = SyncPlan(source, dst)
-        fetch = source.fetch
-    else:
-        source = HFSource(view.shapes)
-        plan = SyncPlan(source, dst)
-        fetch = lambda r, key, box: view.read(key, box)  # noqa: E731
-    problems = plan.check()
-    if problems:
-        raise LayoutError(f"internal: sync plan incomplete: {problems[0]}")
     dt = _dtype(dtype, view.dtype or torch.bfloat16)
     tmp = _staging(out, overwrite)
     t0 = time.time()
     try:
-        total = sum(dt.itemsize * _numel(ts.shape) for tensors in dst.ranks for ts in tensors.values())
-        bar = Progress(total, "reshard", enabled=progress)
-        budget = ByteBudget(max_memory)
+        from .engine import Op
 
-        def run(r):
+        hf_order = {n: i for i, n in enumerate(view.shapes)}
+        writers, items = [], []
+        for r in range(par.world):
             d = os.path.join(tmp, f"rank_{r}")
             os.makedirs(d)
-            entries = [(n, ts.shape, dt) for n, ts in dst.ranks[r].items()]
-            w = HFShardWriter(d, entries, 1 << 62)
-            for n, ts in dst.ranks[r].items():
-                nb = dt.itemsize * _numel(ts.shape)
-                with budget(nb):
-                    t = plan.execute(r, fetch, dt, names=[n])[n]
-                    w.write(n, t)
-                    del t
-                bar.update(nb)
-            w.finish()
-            os.remove(os.path.join(d, "model.safetensors.index.json"))
+            w = HFShardWriter(d, [(n, ts.shape, dt) for n, ts in dst.ranks[r].items()], 1 << 62)
+            writers.append(w)
+            for rec in w.records():
+                ts = dst.ranks[r][rec.what]
+                items.append((hf_order[ts.segments[0].hf] if ts.segments else -1, r, rec, ts))
+        items.sort(key=lambda x: (x[0], x[1]))  # layer-major across ranks: a source region is read once
 
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-            for fut in [ex.submit(run, r) for r in range(par.world)]:
-                fut.result()
+        def plan():  # lazy: each tensor's copy ops are worked out as the copy reaches it
+            for _, r, rec, ts in items:
+                ops = []
+                for seg in ts.segments:
+                    for srec, sbox, hsub in view.sources(seg.hf, seg.hf_box):
+                        ops.append(Op(srec, sbox, rec, seg.hf_to_target(hsub)))
+                # proof, on the ops that run: every element written exactly once or a padding zero
+                ok, why = boxes_disjoint_cover([op.dbox for op in ops] + list(ts.zeros), ts.shape)
+                if not ok:
+                    raise LayoutError(f"internal: rank {r} {rec.what} is not covered exactly once: {why}")
+                yield rec, ops
+
+        total = sum(x[2].nbytes for x in items)
+        bar = Progress(total, "reshard", enabled=progress)
+        stats = _copy_into(plan(), workers, max_memory, bar)
         bar.close()
+        for r, w in enumerate(writers):
+            w.finish()
+            os.remove(os.path.join(tmp, f"rank_{r}", "model.safetensors.index.json"))
         cfg_src = hf_config or src
         copied = copy_side_files(cfg_src if os.path.isdir(cfg_src) else os.path.dirname(cfg_src), tmp)
         if "config.json" not in copied:
@@ -191,30 +196,4 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": out, "ranks": par.world, "bytes": total, "seconds": time.time() - t0,
-            "layout": par.describe()}
-
-
-class _CheckpointChunks:
-    """A SyncPlan source over a checkpoint on disk: its own stored chunks, whatever topology saved it."""
-
-    def __init__(self, view: McoreView):
-        self.view = view
-        self.hf_index = view.hf_index
-
-    def locate(self, hf, hbox):
-        from .layout import box_intersect, box_shift
-
-        for seg in self.hf_index[hf]:
-            sub = box_intersect(seg.hf_box, hbox)
-            if sub is None:
-                continue
-            mbox = seg.hf_to_target(sub)
-            for cbox, _ in self.view.ckpt.chunk_query(seg.key, mbox):
-                inter = box_intersect(cbox, mbox)
-                if inter is not None:
-                    yield 0, seg.key, cbox, box_shift(inter, [b[0] for b in cbox]), seg.target_to_hf(inter)
-
-    def fetch(self, rank, key, cbox):
-        if not hasattr(self, "_si"):
-            self._si = {(k, b): si for k in self.view.layout.tensors for b, si in self.view.ckpt.chunks(k)}
-        return self.view.ckpt.load_chunk(key, cbox, self._si[(key, cbox)])
+            "layout": par.describe(), "engine": stats}

@@ -87,6 +87,28 @@ class HFReader:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise HFError(f"{self.path}/{fn}: cannot read {name} ({e})") from None
 
+    def records(self) -> dict:
+        """Name -> engine :class:`~ckpt_tools.engine.Rec` (file, absolute data offset, shape, dtype), from the
+        safetensors headers (8-byte little-endian length, JSON with ``data_offsets`` relative to the data
+        section). The engine reads these byte ranges with copy_file_range / preadv instead of the mmap."""
+        if getattr(self, "_records", None) is None:
+            from .engine import Rec
+
+            recs = {}
+            for fn in self.files:
+                fp = os.path.join(self.path, fn)
+                base, hdr = _read_header(fp)
+                for k, v in hdr.items():
+                    if k == "__metadata__" or k not in self.meta:
+                        continue
+                    _, shp, dt = self.meta[k]
+                    a, b = v["data_offsets"]
+                    if b - a != _prod(shp) * dt.itemsize:
+                        raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {_prod(shp) * dt.itemsize}")
+                    recs[k] = Rec(fp, base + a, tuple(shp), dt, what=k)
+            self._records = recs
+        return self._records
+
     def validate(self, expected: dict[str, tuple]) -> torch.dtype:
         """Every expected tensor present with the expected shape; one dtype; returns it."""
         missing = [k for k in expected if k not in self.meta]
@@ -105,13 +127,22 @@ class HFReader:
         # A truncated data section is caught by safe_open (header vs file size); double-check sizes.
         for fn in self.files:
             fp = os.path.join(self.path, fn)
-            with open(fp, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                hdr = json.loads(f.read(n))
+            base, hdr = _read_header(fp)
             end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
-            if os.path.getsize(fp) < 8 + n + end:
-                raise HFError(f"{fp}: truncated ({os.path.getsize(fp)} bytes, header needs {8 + n + end})")
+            if os.path.getsize(fp) < base + end:
+                raise HFError(f"{fp}: truncated ({os.path.getsize(fp)} bytes, header needs {base + end})")
         return dts.pop()
+
+
+def _read_header(fp: str) -> tuple[int, dict]:
+    """(start of the data section, header dict) of a safetensors file."""
+    with open(fp, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            hdr = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HFError(f"{fp}: corrupt safetensors header ({e})") from None
+    return 8 + n, hdr
 
 
 _DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -169,6 +200,7 @@ class HFShardWriter:
             self.files.append(fn)
             self.total += off
         self.entries = {name: (tuple(shape), dtype) for name, shape, dtype in entries}
+        self.order = [name for name, _, _ in entries]
         self.written = set()
         self._lock = threading.Lock()
         self._fds = {}
@@ -186,6 +218,14 @@ class HFShardWriter:
         pwrite_all(fd, memoryview(buf).cast('B') if len(buf) else b'', self.offset_of[name])
         with self._lock:
             self.written.add(name)
+
+    def records(self) -> list:
+        """Engine destination records of every tensor, in file order; writing them all counts as written."""
+        from .engine import Rec
+
+        self.written.update(self.entries)
+        return [Rec(os.path.join(self.out_dir, self.file_of[n] + ".tmp"), self.offset_of[n], *self.entries[n], what=n)
+                for n in self.order]
 
     def finish(self) -> dict:
         for fd in self._fds.values():

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import shutil
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from .fsutil import publish, staging
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
-from .progress import ByteBudget, Progress
+from .progress import Progress
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
@@ -44,6 +44,68 @@ def _save_bytes(obj) -> bytes:
     b = io.BytesIO()
     torch.save(obj, b)
     return b.getvalue()
+
+
+class _Sink:
+    """A write-only stream that keeps what torch.save writes around the one region it skips."""
+
+    def __init__(self):
+        self.pos, self.parts, self.holes = 0, [], []
+
+    def write(self, b):
+        self.parts.append((self.pos, bytes(b)))
+        self.pos += len(b)
+        return len(b)
+
+    def seek(self, off, whence=0):
+        new = off if whence == 0 else self.pos + off if whence == 1 else None
+        if new is None:
+            raise io.UnsupportedOperation("seek from end")
+        if new > self.pos:
+            self.holes.append((self.pos, new))
+        self.pos = new
+        return new
+
+    def tell(self):
+        return self.pos
+
+    def flush(self):
+        pass
+
+
+_TEMPLATES: dict = {}
+_TEMPLATE_LOCK = threading.Lock()
+
+
+def record_template(shape, dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """(head, tail): the bytes ``torch.save`` writes before and after the raw data of a contiguous tensor of
+    ``shape``/``dtype``, obtained from torch.save itself under ``torch.serialization.skip_data()`` (which
+    writes every header and skips the storage bytes). A chunk record is ``head + data + tail``, byte-identical
+    to ``torch.save`` of the chunk except the data CRC32 fields, which are left 0 as with torch's own
+    ``set_crc32_options(False)``; torch.load (and so megatron's loader) does not check them."""
+    key = (tuple(shape), dtype)
+    t = _TEMPLATES.get(key)
+    if t is not None:
+        return t
+    with _TEMPLATE_LOCK:
+        sink = _Sink()
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(tuple(shape), dtype=dtype), sink)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if len(sink.holes) != 1 or sink.holes[0][1] - sink.holes[0][0] != nbytes:
+            raise DistCkptError(f"internal: unexpected torch.save layout for {tuple(shape)} {dtype}: holes {sink.holes}")
+        h0, h1 = sink.holes[0]
+        head = bytearray(h0)
+        tail = bytearray(sink.pos - h1)
+        for off, b in sink.parts:
+            if off + len(b) <= h0:
+                head[off:off + len(b)] = b
+            elif off >= h1:
+                tail[off - h1:off - h1 + len(b)] = b
+            else:
+                raise DistCkptError("internal: torch.save wrote into the skipped data region")
+        t = _TEMPLATES[key] = (bytes(head), bytes(tail))
+    return t
 
 
 # -------------------------------------------------------------------------------------------- writer
@@ -60,69 +122,82 @@ def chunk_pieces(layout, chunk):
     return out
 
 
-def write_torch_dist(out_dir: str, layout, read_hf, dtype: torch.dtype, workers: int = 2,
+def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
                      max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False) -> dict:
     """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
 
-    ``read_hf(name, box) -> Tensor`` supplies HF data. Files go to ``out_dir.partial-*`` and are renamed
-    into place only after ``.metadata`` is complete. Returns a summary dict."""
+    ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
+    (:class:`~ckpt_tools.views.HFView`, :class:`~ckpt_tools.views.McoreView`). The whole file layout (every
+    chunk's byte range in its rank file) is fixed up front; chunks are laid out and written in source order
+    by the streaming engine. Files go to ``out_dir.partial-*`` and are renamed into place only after
+    ``.metadata`` is complete. Returns a summary dict."""
+    from .engine import EngineError, Op, Rec, map_sub, run_copy
+
     if os.path.exists(out_dir) and not overwrite:
         raise DistCkptError(f"--out {out_dir} exists; pass --overwrite to replace it")
     chunks = layout.chunks()  # validates the topology before anything is written
-    by_rank = defaultdict(list)
-    for c in chunks:
-        by_rank[c.rank].append(("T", c))
-    for key, shape, offset in layout.objects:
-        by_rank[layout.object_owner(shape, offset)].append(("O", (key, shape, offset)))
-    tmp = staging(out_dir, overwrite, DistCkptError)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    total = sum(box_numel(c.box) for c in chunks) * itemsize
-    bar = Progress(total, "hf2mcore", enabled=progress)
-    budget = ByteBudget(max_memory)
-    results, lock = {}, threading.Lock()
+    # processing order = source order: by where the first HF tensor of the chunk's (key, layer[, expert])
+    # lives in the source (file, offset), then by the chunk's box (TP ranks of one tensor side by side)
+    seg_index = layout.segment_index()
+    hf_pos = source.positions() if hasattr(source, "positions") else {n: ("", i) for i, n in enumerate(layout.hf_shapes)}
+
+    def sort_key(c):
+        segs = seg_index.get((c.key, tuple(b[0] for b in c.box[:layout.nlead(c.key)])))
+        return (hf_pos[segs[0].hf] if segs else ("\uffff", 0)), c.box
+
+    order = sorted(chunks, key=sort_key)
     obj_payload = _save_bytes([None])
+    by_rank_objs = defaultdict(list)
+    for key, shape, offset in layout.objects:
+        by_rank_objs[layout.object_owner(shape, offset)].append((key, shape, offset))
+    ranks = sorted({c.rank for c in chunks} | set(by_rank_objs))
+    fname = {r: f"__{r}_0.distcp" for r in ranks}
+    tmp = staging(out_dir, overwrite, DistCkptError)
+    # the whole file layout, fixed up front: chunk records in processing order, then the _extra_state objects
+    pos = defaultdict(int)
+    storage = {}
+    dsts = []
+    for c in order:
+        shp = box_shape(c.box)
+        head, tail = record_template(shp, dtype)
+        fn = fname[c.rank]
+        off = pos[c.rank]
+        rec = Rec(os.path.join(tmp, fn), off + len(head), shp, dtype, head=head, tail=tail, what=c.key)
+        length = len(head) + rec.nbytes + len(tail)
+        pos[c.rank] = off + length
+        storage[MetadataIndex(c.key, torch.Size([b[0] for b in c.box]))] = _StorageInfo(fn, off, length)
+        dsts.append((c, rec))
+    blobs = defaultdict(list)
+    for r in ranks:
+        for key, shape, offset in by_rank_objs[r]:
+            storage[MetadataIndex(layout.object_dcp_key(key, shape, offset))] = \
+                _StorageInfo(fname[r], pos[r], len(obj_payload))
+            blobs[r].append(obj_payload)
+            pos[r] += len(obj_payload)
+    total = sum(box_numel(c.box) for c in chunks) * itemsize
 
-    def write_rank(rank):
-        fn = f"__{rank}_0.distcp"
-        local = {}
-        with open(os.path.join(tmp, fn), "wb", buffering=0) as f:
-            for kind, item in by_rank[rank]:
-                off = f.tell()
-                if kind == "O":
-                    key, shape, offset = item
-                    f.write(obj_payload)
-                    local[MetadataIndex(layout.object_dcp_key(key, shape, offset))] = \
-                        _StorageInfo(fn, off, len(obj_payload))
-                    continue
-                c = item
-                shp = box_shape(c.box)
-                nb = box_numel(c.box) * itemsize
-                with budget(nb):
-                    pieces = chunk_pieces(layout, c)
-                    t = torch.empty(shp, dtype=dtype)
-                    if sum(box_numel(p[2]) for p in pieces) != box_numel(c.box):
-                        t.zero_()  # vocab padding rows
-                    for hf, hbox, dbox in pieces:
-                        src = read_hf(hf, hbox)
-                        t[box_slices(dbox)].copy_(src.reshape(box_shape(dbox)))
-                    buf = io.BytesIO()
-                    torch.save(t, buf)
-                    del t
-                    f.write(buf.getbuffer())
-                    length = buf.tell()
-                    del buf
-                local[MetadataIndex(c.key, torch.Size([b[0] for b in c.box]))] = _StorageInfo(fn, off, length)
-                bar.update(nb)
-            os.fsync(f.fileno())
-        with lock:
-            results.update(local)
+    def items():  # lazy: each chunk's copy ops are worked out as the copy reaches it
+        for c, rec in dsts:
+            ops = []
+            for hf, hbox, dbox in chunk_pieces(layout, c):
+                for srec, sbox, hsub in source.sources(hf, hbox):
+                    ops.append(Op(srec, sbox, rec, map_sub(hbox, dbox, hsub) if hsub != hbox else dbox))
+            yield rec, ops
 
+    bar = Progress(total, "hf2mcore", enabled=progress)
     t0 = time.time()
     try:
-        ranks = sorted(by_rank)
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-            for fut in [ex.submit(write_rank, r) for r in ranks]:
-                fut.result()
+        for r in ranks:
+            with open(os.path.join(tmp, fname[r]), "wb") as f:
+                f.truncate(pos[r])
+                if blobs[r]:
+                    f.seek(pos[r] - len(obj_payload) * len(blobs[r]))
+                    f.write(b"".join(blobs[r]))
+        try:
+            stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar)
+        except EngineError as e:
+            raise DistCkptError(str(e)) from None
         bar.close()
         sdm = {}
         for key, ts in layout.tensors.items():
@@ -132,11 +207,11 @@ def write_torch_dist(out_dir: str, layout, read_hf, dtype: torch.dtype, workers:
                                                           torch.Size(box_shape(c.box))))
         for key, shape, offset in layout.objects:
             sdm[layout.object_dcp_key(key, shape, offset)] = BytesStorageMetadata()
-        md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=results,
+        if len(storage) != len(chunks) + len(layout.objects):
+            raise DistCkptError(f"internal: laid out {len(storage)} items, planned {len(chunks) + len(layout.objects)}")
+        md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
                       storage_meta=StorageMeta(), version="1.0.0")
         md.mcore_data = {k: {} for k in layout.tensors}
-        if len(results) != len(chunks) + len(layout.objects):
-            raise DistCkptError(f"internal: wrote {len(results)} items, planned {len(chunks) + len(layout.objects)}")
         torch.save({}, os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(METADATA_JSON, f)
@@ -149,8 +224,8 @@ def write_torch_dist(out_dir: str, layout, read_hf, dtype: torch.dtype, workers:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dt = time.time() - t0
-    return {"out": out_dir, "files": len(by_rank), "chunks": len(chunks), "objects": len(layout.objects),
-            "bytes": total, "seconds": dt, "ranks": len(by_rank)}
+    return {"out": out_dir, "files": len(ranks), "chunks": len(chunks), "objects": len(layout.objects),
+            "bytes": total, "seconds": dt, "ranks": len(ranks), "engine": stats}
 
 
 # -------------------------------------------------------------------------------------------- reader
@@ -196,6 +271,8 @@ class TorchDistReader:
         self.prefix = prefix
         self._chunk_index = None
         self._qindex: dict = {}
+        self._recs: dict = {}
+        self._classes: dict = {}
         self._cache: OrderedDict = OrderedDict()
         self._cache_bytes, self._cache_max = 0, cache_bytes
         self._lock = threading.Lock()
@@ -263,11 +340,7 @@ class TorchDistReader:
                 self._cache.move_to_end(ck)
                 return t
         fp = os.path.join(self.path, si.relative_path)
-        with open(fp, "rb") as f:
-            f.seek(si.offset)
-            b = f.read(si.length)
-        if len(b) != si.length:
-            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
+        b = self._read_record(key, si)
         try:
             t = torch.load(io.BytesIO(b), weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001
@@ -283,6 +356,61 @@ class TorchDistReader:
                     _, old = self._cache.popitem(last=False)
                     self._cache_bytes -= old.numel() * old.element_size()
         return t
+
+    def record(self, key: str, cbox: Box, si):
+        """The engine source :class:`~ckpt_tools.engine.Rec` of one stored chunk: the raw data inside its
+        torch.save zip record. Records of one (length, shape, dtype) class are laid out alike; one exemplar
+        per class is parsed with torch's own zip reader and torch.load (data offset, contiguity, byte order),
+        and every record is checked against the exemplar's header bytes before its first read (a record
+        that differs is read with torch.load instead)."""
+        rk = (key, cbox)
+        rec = self._recs.get(rk)
+        if rec is None:
+            from .engine import Rec
+
+            shp, dt = box_shape(cbox), self.dtype(key)
+            ck = (si.length, shp, dt)
+            cls = self._classes.get(ck)
+            if cls is None:
+                cls = self._classes[ck] = self._analyse(key, cbox, si, dt)
+            data_off, head = cls
+            rec = self._recs[rk] = Rec(os.path.join(self.path, si.relative_path), si.offset + data_off, shp, dt,
+                                       expect_head=head, span=(si.offset, si.length), slow=head is None,
+                                       what=f"chunk of {key} at {[b[0] for b in cbox]}")
+        return rec
+
+    def _analyse(self, key, cbox, si, dt):
+        """(data offset in the record, header bytes before it) or (0, None) when the record is not a plain
+        little-endian contiguous dump of the chunk."""
+        raw = self._read_record(key, si)
+        try:
+            zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
+            t = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != box_shape(cbox) or t.dtype != dt:
+            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} holds {getattr(t, 'shape', type(t))} "
+                                f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
+        names = zr.get_all_records()
+        data = [n for n in names if n.startswith("data/")]
+        nbytes = t.numel() * t.element_size()
+        if (len(data) != 1 or not t.is_contiguous() or t.storage_offset() != 0
+                or t.untyped_storage().nbytes() != nbytes
+                or ("byteorder" in names and bytes(zr.get_record("byteorder")) != b"little")):
+            return 0, None
+        off = zr.get_record_offset(data[0])
+        if raw[off:off + nbytes] != t.view(torch.uint8).reshape(-1).numpy().tobytes():
+            return 0, None
+        return off, bytes(raw[:off])
+
+    def _read_record(self, key, si) -> bytes:
+        fp = os.path.join(self.path, si.relative_path)
+        with open(fp, "rb") as f:
+            f.seek(si.offset)
+            b = f.read(si.length)
+        if len(b) != si.length:
+            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
+        return b
 
     def read_box(self, key: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Assemble ``box`` of global tensor ``key`` from the chunks overlapping it."""

@@ -45,6 +45,14 @@ class HFView:
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
         return self.reader.read(name, box)
 
+    def positions(self) -> dict:
+        """HF name -> (file, byte offset): where each tensor lives, to order work by source position."""
+        return {n: (r.path, r.offset) for n, r in self.reader.records().items()}
+
+    def sources(self, name: str, box: Box):
+        """(engine Rec, box in it, HF sub-box) covering ``box`` of HF tensor ``name``: the tensor itself."""
+        yield self.reader.records()[name], box, box
+
     def integrity(self) -> list[str]:
         return []
 
@@ -102,6 +110,20 @@ class McoreView:
                 out = torch.empty(box_shape(box), dtype=dtype or data.dtype)
             out[box_slices(box_shift(sub, [b[0] for b in box]))].copy_(data.reshape(box_shape(sub)))
         return out
+
+    def sources(self, name: str, box: Box):
+        """(engine Rec, box in it, HF sub-box) for every stored chunk overlapping ``box`` of HF tensor ``name``,
+        whatever topology saved the checkpoint."""
+        for seg in self.hf_index[name]:
+            sub = box_intersect(seg.hf_box, box)
+            if sub is None:
+                continue
+            mbox = seg.hf_to_target(sub)
+            for cbox, si in self.ckpt.chunk_query(seg.key, mbox):
+                inter = box_intersect(cbox, mbox)
+                if inter is not None:
+                    yield (self.ckpt.record(seg.key, cbox, si), box_shift(inter, [b[0] for b in cbox]),
+                           seg.target_to_hf(inter))
 
     def integrity(self) -> list[str]:
         """Coverage of every key (a gap loads silently as zeros) and presence of the spec's _extra_state."""

@@ -60,7 +60,7 @@ def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
     lay = MegatronLayout(cfg, "local", MegatronParallel.build(cfg.layers, tp=2), prefix="model.")
     hv = HFView(tiny_hf)
     out = str(tmp_path / "train")
-    write_torch_dist(out, lay, hv.read, torch.float32, progress=False)
+    write_torch_dist(out, lay, hv, torch.float32, progress=False)
     md = pickle.load(open(os.path.join(out, ".metadata"), "rb"))
     # add an optimizer entry as in global_step_N/actor/dist_ckpt
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
@@ -187,21 +187,28 @@ def test_existing_output_needs_overwrite(tiny_hf, tmp_path, capsys):
 
 
 def test_interrupted_write_leaves_nothing(tiny_hf, tmp_path):
+    """A source read that fails half-way (here: a record pointing past the end of its file, as after a
+    truncation under our feet) aborts the write and removes everything."""
+    import dataclasses
+
     view = HFView(tiny_hf)
     calls = {"n": 0}
 
-    def flaky(name, box):
-        calls["n"] += 1
-        if calls["n"] == 50:
-            raise OSError("disk went away")
-        return view.read(name, box)
+    class Flaky:
+        def sources(self, name, box):
+            for rec, sbox, hsub in view.sources(name, box):
+                calls["n"] += 1
+                if calls["n"] == 50:
+                    rec = dataclasses.replace(rec, offset=rec.offset + (1 << 40))
+                yield rec, sbox, hsub
 
     from ckpt_tools.mapping import MegatronLayout
     from ckpt_tools.torch_dist import write_torch_dist
 
     lay = MegatronLayout(view.cfg, "te", MegatronParallel.build(view.cfg.layers, tp=2))
-    with pytest.raises(OSError):
-        write_torch_dist(str(tmp_path / "out"), lay, flaky, torch.float32, progress=False)
+    with pytest.raises(ERRORS, match="truncated"):
+        write_torch_dist(str(tmp_path / "out"), lay, Flaky(), torch.float32, progress=False)
+    assert calls["n"] > 50
     assert os.listdir(tmp_path) == []
 
 
