@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="parallel shard writers (default 2)")
     p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards")
     p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-memory", type=parse_size, default="4GiB")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats)")
     p.add_argument("--hf", default=None, help="HF dir")
@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from .views import ERRORS
 
-    args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except ERRORS as e:

@@ -23,10 +23,6 @@ import time
 from collections import OrderedDict, defaultdict
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
 
 from .fsutil import publish, staging
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
@@ -38,6 +34,23 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
 
 class DistCkptError(ValueError):
     pass
+
+
+def dcp():
+    """torch.distributed.checkpoint's metadata classes, imported on first use: the package pulls in DTensor
+    and sympy (~0.8 s), so hf2mcore starts importing it in the background and copies meanwhile."""
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+
+    metadata._StorageInfo = _StorageInfo
+    metadata.FileSystemReader = FileSystemReader
+    return metadata
+
+
+def dcp_background() -> threading.Thread:
+    t = threading.Thread(target=dcp, daemon=True, name="import-dcp")
+    t.start()
+    return t
 
 
 def _save_bytes(obj) -> bytes:
@@ -133,6 +146,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
     ``.metadata`` is complete. Returns a summary dict."""
     from .engine import EngineError, Op, Rec, map_sub, run_copy
 
+    dcp_background()
     if os.path.exists(out_dir) and not overwrite:
         raise DistCkptError(f"--out {out_dir} exists; pass --overwrite to replace it")
     chunks = layout.chunks()  # validates the topology before anything is written
@@ -166,13 +180,12 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         rec = Rec(os.path.join(tmp, fn), off + len(head), shp, dtype, head=head, tail=tail, what=c.key)
         length = len(head) + rec.nbytes + len(tail)
         pos[c.rank] = off + length
-        storage[MetadataIndex(c.key, torch.Size([b[0] for b in c.box]))] = _StorageInfo(fn, off, length)
+        storage[(c.key, tuple(b[0] for b in c.box))] = (fn, off, length)
         dsts.append((c, rec))
     blobs = defaultdict(list)
     for r in ranks:
         for key, shape, offset in by_rank_objs[r]:
-            storage[MetadataIndex(layout.object_dcp_key(key, shape, offset))] = \
-                _StorageInfo(fname[r], pos[r], len(obj_payload))
+            storage[(layout.object_dcp_key(key, shape, offset), None)] = (fname[r], pos[r], len(obj_payload))
             blobs[r].append(obj_payload)
             pos[r] += len(obj_payload)
     total = sum(box_numel(c.box) for c in chunks) * itemsize
@@ -199,18 +212,23 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         except EngineError as e:
             raise DistCkptError(str(e)) from None
         bar.close()
+        m = dcp()
         sdm = {}
+        TensorStorageMetadata, TensorProperties, ChunkStorageMetadata = \
+            m.TensorStorageMetadata, m.TensorProperties, m.ChunkStorageMetadata
         for key, ts in layout.tensors.items():
             sdm[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(ts.shape), [])
         for c in chunks:
             sdm[c.key].chunks.append(ChunkStorageMetadata(torch.Size([b[0] for b in c.box]),
                                                           torch.Size(box_shape(c.box))))
         for key, shape, offset in layout.objects:
-            sdm[layout.object_dcp_key(key, shape, offset)] = BytesStorageMetadata()
+            sdm[layout.object_dcp_key(key, shape, offset)] = m.BytesStorageMetadata()
         if len(storage) != len(chunks) + len(layout.objects):
             raise DistCkptError(f"internal: laid out {len(storage)} items, planned {len(chunks) + len(layout.objects)}")
-        md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
-                      storage_meta=StorageMeta(), version="1.0.0")
+        storage_data = {m.MetadataIndex(k, None if off is None else torch.Size(off)): m._StorageInfo(*v)
+                        for (k, off), v in storage.items()}
+        md = m.Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
+                        storage_meta=m.StorageMeta(), version="1.0.0")
         md.mcore_data = {k: {} for k in layout.tensors}
         torch.save({}, os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
@@ -247,7 +265,8 @@ class TorchDistReader:
             raise DistCkptError(f"{mj}: unreadable ({e})") from None
         if backend != "torch_dist":
             raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
-        from torch.distributed.checkpoint import FileSystemReader
+        m = dcp()
+        FileSystemReader, Metadata, TensorStorageMetadata = m.FileSystemReader, m.Metadata, m.TensorStorageMetadata
 
         try:
             md = FileSystemReader(path).read_metadata()

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from .hf import HFError, HFReader
-from .layout import Box, LayoutError, VllmParallel, box_intersect, box_numel, box_shape, box_shift, box_slices, full_box
+from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
 from .mapping import MegatronLayout, VllmLayout, hf_shapes
 from .model_config import ModelConfig, load_config
 from .torch_dist import DistCkptError, TorchDistReader

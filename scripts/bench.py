@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
 """Side-by-side conversion benchmark: cp -r vs hf2mcore vs mcore2hf vs reshard vs the megatron-model baseline.
 
-    python scripts/bench.py                 # headline: ~4 GB synthetic Qwen3-MoE (bf16), 2 sizes for linearity
-    python scripts/bench.py --quick         # ~0.3 GB, a minute
+    python scripts/bench.py                        # headline: 3 and 6 GB models, 3 alternating repeats
+    python scripts/bench.py --quick                # ~1 GB, one repeat, no baseline: a smoke run
 
-Each step runs as its own process (peak RSS from os.wait4, which counts file-backed mmap pages too; we also
-report the anonymous part, RssAnon, sampled). Before every step the page cache is dropped
-(/proc/sys/vm/drop_caches) when permitted; the table says whether it was. Steps alternate per repeat so drift
-hits all of them alike. Output: a table and --json.
+Models are synthetic Qwen3-MoE checkpoints (bf16) generated locally. ``--shape 235b`` (default) keeps
+Qwen3-235B-A22B's per-layer widths (hidden 4096, 64 q / 4 kv heads of 128, moe_intermediate 1536) with 8
+experts and a 32k vocab, so every saved chunk has the size it has in the real PP8/TP4/EP4 job (expert fc1
+chunk 3 MiB); the size is set by the layer count. ``--shape small`` (hidden 1024, 32 experts of 512) makes
+~16x more, smaller chunks: a stress test of per-chunk overhead.
+
+Honest page cache use: before every step the page cache is dropped (sync; echo 3 > drop_caches; the table
+says if that was refused), and every step's time includes a final ``sync`` - cp -r too, which otherwise
+leaves its writes in the cache. Steps alternate within each repeat so disk drift (this cloud disk's speed
+varies 2-4x over minutes) hits all alike; the table shows the median (and best) of the repeats. Each
+step is its own process: peak RSS is its VmHWM, RssAnon its peak anonymous memory (sampled every 20 ms). Output: a table and --json.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -24,20 +32,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def config_for_gb(gb: float) -> dict:
-    """A Qwen3-MoE shaped like the 235B (same heads/expert ratio) scaled to about ``gb`` GB of bf16."""
+SHAPES = {
+    # Qwen3-235B-A22B's widths, fewer experts/layers: chunks as big as in the real job
+    "235b": dict(hidden_size=4096, head_dim=128, num_attention_heads=64, num_key_value_heads=4, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=1536, intermediate_size=12288, vocab_size=32768),
+    # small widths, many experts: many small chunks (per-chunk overhead stress)
+    "small": dict(hidden_size=1024, head_dim=64, num_attention_heads=16, num_key_value_heads=4, num_experts=32,
+                  num_experts_per_tok=4, moe_intermediate_size=512, intermediate_size=2048, vocab_size=32768),
+}
+
+
+def config_for_gb(gb: float, shape: str = "235b") -> dict:
+    """A Qwen3-MoE of ``shape``'s widths with as many layers as make about ``gb`` GB of bf16."""
     from ckpt_tools.mapping import hf_shapes
     from ckpt_tools.model_config import config_from_dict
 
-    base = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=1024, head_dim=64,
-                num_attention_heads=16, num_key_value_heads=4, num_experts=32, num_experts_per_tok=4,
-                moe_intermediate_size=512, intermediate_size=2048, vocab_size=32768, rms_norm_eps=1e-6,
+    base = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], rms_norm_eps=1e-6,
                 rope_theta=1e6, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
-                max_position_embeddings=4096, norm_topk_prob=True, hidden_act="silu")
-    for layers in range(2, 400, 2):
+                max_position_embeddings=4096, norm_topk_prob=True, hidden_act="silu", **SHAPES[shape])
+    for layers in range(1, 400):
         base["num_hidden_layers"] = layers
         n = sum(_numel(s) for s in hf_shapes(config_from_dict(base)).values()) * 2
-        if n >= gb * 1e9:
+        if n >= gb * 1e9 * 0.97:
             return base
     return base
 
@@ -54,38 +70,47 @@ def drop_caches() -> bool:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
+        time.sleep(1)  # let the flush settle before the clock starts
         return True
     except OSError:
         return False
 
 
 def run_step(cmd: list[str]) -> dict:
+    """Run ``cmd`` then ``sync``; time both (what a user waits for until the data is on disk)."""
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    anon = [0]
+    anon, hwm = [0], [0]
     done = threading.Event()
 
-    def sample():  # must not reap the child (os.wait4 below does, to get its own rusage)
+    def sample():  # must not reap the child (os.wait4 below does)
+        # VmHWM (peak RSS of the exec'd program; wait4's ru_maxrss would count the forked bench process's
+        # pages before exec) and RssAnon, every 20 ms
         path = f"/proc/{p.pid}/status"
         while not done.is_set():
             try:
                 for line in open(path):
                     if line.startswith("RssAnon:"):
                         anon[0] = max(anon[0], int(line.split()[1]) * 1024)
-            except OSError:
+                    elif line.startswith("VmHWM:"):
+                        hwm[0] = max(hwm[0], int(line.split()[1]) * 1024)
+            except (OSError, ValueError, IndexError):
                 pass
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    _, status, ru = os.wait4(p.pid, 0)
+    _, status, _ = os.wait4(p.pid, 0)
     done.set()
     p.returncode = os.waitstatus_to_exitcode(status)
     err = p.stderr.read()
-    dt = time.time() - t0
+    t1 = time.time()
+    os.sync()
+    t2 = time.time()
     if p.returncode:
         raise SystemExit(f"step failed: {' '.join(cmd)}\n{err[-3000:]}")
-    return {"seconds": dt, "peak_rss": ru.ru_maxrss * 1024, "peak_rss_anon": anon[0]}
+    return {"seconds": t2 - t0, "process_seconds": t1 - t0, "sync_seconds": t2 - t1,
+            "peak_rss": hwm[0], "peak_rss_anon": anon[0]}
 
 
 def dir_bytes(d):
@@ -146,81 +171,114 @@ dist_checkpointing.save(m.sharded_state_dict(), %(out)r)
 '''
 
 
+def _table(rows, out=print):
+    out(f"{'size GB':>7} {'step':<30} {'median s':>8} {'best s':>7} {'GB/s':>6} {'x cp':>5} "
+        f"{'peak RSS GiB':>12} {'anon GiB':>8}  cache")
+    summary = []
+    for gb in sorted({r["size_gb"] for r in rows}):
+        cp = statistics.median(r["seconds"] for r in rows if r["size_gb"] == gb and r["step"] == "cp -r")
+        for name in dict.fromkeys(r["step"] for r in rows):
+            rs = [r for r in rows if r["size_gb"] == gb and r["step"] == name]
+            med = statistics.median(r["seconds"] for r in rs)
+            rss = max(r["peak_rss"] for r in rs)
+            anon = max(r["peak_rss_anon"] for r in rs)
+            summary.append(dict(step=name, size_gb=gb, bytes=rs[0]["bytes"], median_s=med,
+                                best_s=min(r["seconds"] for r in rs), runs=[r["seconds"] for r in rs],
+                                x_cp=cp / med, gbps=rs[0]["bytes"] / med / 1e9, peak_rss=rss, peak_rss_anon=anon,
+                                cache_dropped=all(r["cache_dropped"] for r in rs)))
+            out(f"{gb:>7.2f} {name:<30} {med:>8.2f} {min(r['seconds'] for r in rs):>7.2f} "
+                f"{rs[0]['bytes'] / med / 1e9:>6.3f} {cp / med:>5.2f} {rss / 2**30:>12.2f} {anon / 2**30:>8.2f}  "
+                f"{'dropped' if summary[-1]['cache_dropped'] else 'WARM (drop refused)'}")
+    sz = sorted({r["size_gb"] for r in rows})
+    if len(sz) > 1:
+        out("")
+        out(f"linearity {sz[0]:g} -> {sz[-1]:g} GB (size x{sz[-1] / sz[0]:.2f}): time ratio, and the marginal "
+            f"throughput (extra bytes / extra seconds) as a ratio to cp's")
+        cpa = [x for x in summary if x["step"] == "cp -r" and x["size_gb"] == sz[0]][0]
+        cpb = [x for x in summary if x["step"] == "cp -r" and x["size_gb"] == sz[-1]][0]
+        cp_marg = (cpb["bytes"] - cpa["bytes"]) / max(1e-9, cpb["median_s"] - cpa["median_s"])
+        for name in dict.fromkeys(r["step"] for r in rows):
+            a = [x for x in summary if x["step"] == name and x["size_gb"] == sz[0]][0]
+            b = [x for x in summary if x["step"] == name and x["size_gb"] == sz[-1]][0]
+            marg = (b["bytes"] - a["bytes"]) / max(1e-9, b["median_s"] - a["median_s"])
+            out(f"  {name:<30} time x{b['median_s'] / a['median_s']:.2f}   marginal {marg / 1e9:.3f} GB/s "
+                f"= {marg / cp_marg:.2f} x cp")
+    return summary
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, nargs="+", default=[2.0, 4.0], help="model sizes (GB of bf16)")
-    ap.add_argument("--quick", action="store_true", help="one ~0.3 GB model")
-    ap.add_argument("--dir", default=os.path.join(ROOT, "bench_data"), help="work dir (models are reused)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--max-memory", default="4GiB")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--size-gb", type=float, nargs="+", default=[3.0, 6.0], help="model sizes (GB of bf16; default 3 6)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="235b", help="model widths (default 235b)")
+    ap.add_argument("--quick", action="store_true", help="one ~1 GB model, one repeat, no baseline")
+    ap.add_argument("--dir", default=os.path.join(ROOT, "bench_data"), help="work dir (models are kept and reused)")
+    ap.add_argument("--workers", type=int, default=2, help="--workers of each ckpt-tools step (default 2)")
+    ap.add_argument("--max-memory", default="4GiB", help="--max-memory of each ckpt-tools step (default 4GiB)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating repeats per size (default 3)")
+    ap.add_argument("--steps", default="cp,hf2mcore,mcore2hf,reshard,baseline",
+                    help="comma-separated subset of cp,hf2mcore,mcore2hf,reshard,baseline")
     ap.add_argument("--no-baseline", action="store_true", help="skip the megatron-model baseline")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--extra", default="", help="extra flags for every ckpt-tools step (e.g. --no-readahead)")
+    ap.add_argument("--json", default=None, help="write rows and summary here")
     args = ap.parse_args()
-    sizes = [0.3] if args.quick else args.size_gb
+    sizes = args.size_gb
+    if args.quick:
+        sizes, args.repeats, args.no_baseline = [1.0], 1, True
+    want = set(args.steps.split(","))
+    if args.no_baseline:
+        want.discard("baseline")
+    want.add("cp")
     from ckpt_tools.synth import make_synthetic_hf
 
     tool = [sys.executable, "-m", "ckpt_tools.cli"]
+    extra = args.extra.split()
+    io = ["--workers", str(args.workers), "--max-memory", args.max_memory, "--no-progress"] + extra
     rows = []
     for gb in sizes:
-        base = os.path.join(args.dir, f"qwen3moe_{gb:g}gb")
+        base = os.path.join(args.dir, f"qwen3moe_{args.shape}_{gb:g}gb")
         hf = os.path.join(base, "hf")
         if not os.path.isfile(os.path.join(hf, "model.safetensors.index.json")):
             shutil.rmtree(hf, ignore_errors=True)
-            make_synthetic_hf(hf, config_for_gb(gb))
+            make_synthetic_hf(hf, config_for_gb(gb, args.shape))
         nbytes = dir_bytes(hf)
         out = lambda n: os.path.join(base, n)  # noqa: E731
         steps = [
-            ("cp -r", ["cp", "-r", hf, out("cp")], out("cp")),
-            ("hf2mcore", tool + ["hf2mcore", "--hf", hf, "--out", out("mcore"), "--tp", "4", "--ep", "4", "--pp", "1",
-                                 "--workers", str(args.workers), "--max-memory", args.max_memory, "--no-progress"], out("mcore")),
-            ("mcore2hf", tool + ["mcore2hf", "--mcore", out("mcore"), "--hf-config", hf, "--out", out("back"),
-                                 "--workers", str(args.workers), "--max-memory", args.max_memory, "--no-progress"], out("back")),
-            ("reshard vllm tp8", tool + ["reshard", "--from", out("mcore"), "--hf-config", hf, "--tp", "8",
-                                         "--out", out("vllm"), "--workers", str(args.workers), "--max-memory", args.max_memory,
-                                         "--no-progress"], out("vllm")),
+            ("cp", "cp -r", ["cp", "-r", hf, out("cp")], out("cp")),
+            ("hf2mcore", "hf2mcore (TP4 EP4)", tool + ["hf2mcore", "--hf", hf, "--out", out("mcore"), "--tp", "4",
+                                                   "--ep", "4"] + io, out("mcore")),
+            ("mcore2hf", "mcore2hf", tool + ["mcore2hf", "--mcore", out("mcore"), "--hf-config", hf,
+                                             "--out", out("back")] + io, out("back")),
+            ("reshard", "reshard vllm tp8", tool + ["reshard", "--from", out("mcore"), "--hf-config", hf,
+                                                    "--tp", "8", "--out", out("vllm")] + io, out("vllm")),
         ]
-        if not args.no_baseline:
+        if "baseline" in want:
             code = BASELINE % dict(root=ROOT, hf=hf, out=out("baseline"), port=29700)
-            steps.append(("baseline (megatron model)", [sys.executable, "-c", code], out("baseline")))
+            steps.append(("baseline", "baseline: megatron model+save", [sys.executable, "-c", code], out("baseline")))
+        steps = [x for x in steps if x[0] in want]
+        if ("mcore2hf" in want or "reshard" in want) and "hf2mcore" not in want and not os.path.isdir(out("mcore")):
+            subprocess.run(tool + ["hf2mcore", "--hf", hf, "--out", out("mcore"), "--tp", "4", "--ep", "4",
+                                   "--no-progress"], check=True, stdout=subprocess.DEVNULL)
         for rep in range(args.repeats):
-            for name, cmd, o in steps:
+            for key, name, cmd, o in steps:
+                tmp_keep = key == "hf2mcore" and ("mcore2hf" in want or "reshard" in want)
                 shutil.rmtree(o, ignore_errors=True)
                 dropped = drop_caches()
                 r = run_step(cmd)
                 r.update(step=name, size_gb=round(nbytes / 1e9, 3), bytes=nbytes, cache_dropped=dropped, repeat=rep)
                 r["gbps"] = nbytes / r["seconds"] / 1e9
                 rows.append(r)
-                print(f"{gb:g} GB {name:<26} {r['seconds']:7.2f} s  {r['gbps']:6.3f} GB/s  "
-                      f"peak RSS {r['peak_rss'] / 2**30:5.2f} GiB (anon {r['peak_rss_anon'] / 2**30:5.2f})", flush=True)
-            if args.repeats > 1 or len(sizes) > 1:
-                pass
+                print(f"{nbytes / 1e9:5.2f} GB rep {rep} {name:<30} {r['seconds']:7.2f} s (sync {r['sync_seconds']:.2f})"
+                      f"  {r['gbps']:6.3f} GB/s  peak RSS {r['peak_rss'] / 2**30:5.2f} GiB "
+                      f"(anon {r['peak_rss_anon'] / 2**30:5.2f})", flush=True)
+                if not tmp_keep and key != "hf2mcore":
+                    shutil.rmtree(o, ignore_errors=True)
         for o in ("cp", "back", "vllm", "baseline"):
             shutil.rmtree(out(o), ignore_errors=True)
-    # summary table: ratio to cp of the same size
     print()
-    print(f"{'size':>6} {'step':<26} {'s':>8} {'GB/s':>7} {'x cp':>6} {'peak RSS GiB':>12} {'anon GiB':>9} cache")
-    summary = []
-    for gb in sorted({r["size_gb"] for r in rows}):
-        cp = [r for r in rows if r["size_gb"] == gb and r["step"] == "cp -r"]
-        cp_s = min(r["seconds"] for r in cp)
-        for name in dict.fromkeys(r["step"] for r in rows):
-            rs = [r for r in rows if r["size_gb"] == gb and r["step"] == name]
-            best = min(rs, key=lambda r: r["seconds"])
-            ratio = cp_s / best["seconds"]
-            summary.append(dict(best, x_cp=ratio))
-            print(f"{gb:>6.2f} {name:<26} {best['seconds']:>8.2f} {best['gbps']:>7.3f} {ratio:>6.2f} "
-                  f"{best['peak_rss'] / 2**30:>12.2f} {best['peak_rss_anon'] / 2**30:>9.2f} "
-                  f"{'dropped' if best['cache_dropped'] else 'warm (drop not permitted)'}")
-    sz = sorted({r["size_gb"] for r in rows})
-    if len(sz) > 1:
-        for name in dict.fromkeys(r["step"] for r in rows):
-            a = [s for s in summary if s["step"] == name and s["size_gb"] == sz[0]][0]
-            b = [s for s in summary if s["step"] == name and s["size_gb"] == sz[-1]][0]
-            print(f"linearity {name:<26} time ratio {b['seconds'] / a['seconds']:.2f} for size ratio {sz[-1] / sz[0]:.2f}")
+    summary = _table(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+            json.dump({"rows": rows, "summary": summary, "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":
