@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="HF config.json / model dir, or the preset 'qwen3-235b-a22b'")
     _add_megatron_topology(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--disk-gbps", type=float, default=2.0, help="disk bandwidth in GB/s for the time estimate (default 2.0)")
+    p.add_argument("--disk-gbps", type=float, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
+                        "time (cp -r DIR X && sync) moves 2 x DIR's size (default 2.0)")
     p.add_argument("--vllm-tp", type=int, default=None, help="also plan vLLM shards at this TP")
     p.add_argument("--vllm-ep", type=int, default=None, help="... with expert parallel of this size")
     p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
@@ -184,7 +185,7 @@ def _run(args) -> int:
     if args.cmd == "plan":
         from .convert import DTYPES, megatron_parallel
         from .layout import VllmParallel
-        from .plan import plan_megatron, plan_vllm
+        from .plan import STARTUP_SECONDS, plan_megatron, plan_vllm
 
         cfg = load_config(args.config)
         par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
@@ -198,8 +199,10 @@ def _run(args) -> int:
             rs = [x for x in p["ranks"] if x["stage"] == s]
             b = [x["bytes_written"] for x in rs]
             print(f"{s:>5} {n:>6} {rs[0]['rank']:>5}-{rs[-1]['rank']:<5} {fmt_bytes(min(b)):>13} .. {fmt_bytes(max(b)):<12}")
-        print(f"predicted hf2mcore time at {args.disk_gbps} GB/s (read + write on one disk): "
-              f"{p['predicted_seconds']:.0f} s ({p['predicted_seconds'] / 60:.1f} min)")
+        print(f"predicted hf2mcore time at {args.disk_gbps} GB/s of disk read+write throughput: "
+              f"{p['predicted_seconds']:.0f} s ({p['predicted_seconds'] / 60:.1f} min; cp -r of the same bytes "
+              f"{p['predicted_cp_seconds']:.0f} s, + ~{STARTUP_SECONDS:.0f} s start-up); mcore2hf and reshard "
+              f"move the same bytes")
         if args.vllm_tp:
             ep = args.vllm_ep
             vp = VllmParallel(args.vllm_tp, (ep // args.vllm_tp) if ep else 1, bool(ep and ep > 1))
