@@ -36,6 +36,12 @@ def _add_megatron_topology(p):
                    help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl)")
 
 
+def _add_io(p):
+    p.add_argument("--buffered-io", action="store_true",
+                   help="write through the page cache only (default: long contiguous runs are written with O_DIRECT, "
+                        "falling back by itself where the file system refuses it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ckpt-tools", description=__doc__, epilog=EPILOG)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -49,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
 
     p = sub.add_parser("mcore2hf", help="Megatron-core torch_dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True, help="dist-checkpoint dir (ours or megatron-core's own, any topology; "
@@ -63,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
 
     p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards")
     p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir")
@@ -79,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_size, default="4GiB")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
 
     p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats)")
     p.add_argument("--hf", default=None, help="HF dir")
@@ -140,21 +149,22 @@ def _run(args) -> int:
         r = convert.hf2mcore(args.hf, args.out, pp=args.pp, tp=args.tp, ep=args.ep, etp=args.etp, first=args.first,
                              last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                              workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
-                             vocab_size_divisible_by=args.vocab_div, progress=prog)
+                             vocab_size_divisible_by=args.vocab_div, progress=prog, direct_io=not args.buffered_io)
         print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
               f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "mcore2hf":
         r = convert.mcore2hf(args.mcore, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                              workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=prog,
-                             max_memory=args.max_memory)
+                             max_memory=args.max_memory, direct_io=not args.buffered_io)
         print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
               f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "reshard":
         r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                             ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
-                            overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory)
+                            overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory,
+                            direct_io=not args.buffered_io)
         print(f"wrote {r['out']}: {r['layout']}, {r['ranks']} rank dirs, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "verify":

@@ -163,7 +163,7 @@ def _direct(src: Rec, sbox, dst: Rec, dbox) -> bool:
 CFR_MIN = 16 << 20
 
 
-def blocks_of(d: Rec, ops, block_max: int):
+def blocks_of(d: Rec, ops, block_max: int, cfr_min: int = None):
     """The row blocks of destination ``d`` with the parts of ``ops`` that land in each. A block that stages
     sources is made smaller by their read amplification (a column slice stages whole rows), so block plus
     staged spans stay under ``block_max``."""
@@ -185,13 +185,14 @@ def blocks_of(d: Rec, ops, block_max: int):
         staged = not all(_direct(s, sb, d, db) for s, sb, db in bops)
         b = Block(d, bx, bops, staged, bi == 0, bi == len(boxes) - 1, box_numel(bx) * isz,
                   sum(box_numel(db) for _, _, db in bops))
-        b.cfr = not staged and bool(bops) and min(box_numel(db) for _, _, db in bops) * isz >= CFR_MIN
+        b.cfr = (not staged and bool(bops) and cfr_min is not None
+                 and min(box_numel(db) for _, _, db in bops) * isz >= cfr_min)
         if b.covered > box_numel(bx):
             raise EngineError(f"internal: {d.what or d.path} block {bx}: {b.covered} elements written into {box_numel(bx)}")
         yield b
 
 
-def plan_units(items, cap: int, target: int = 64 << 20):
+def plan_units(items, cap: int, target: int = 64 << 20, cfr_min: int | None = None):
     """Stream units from ``items`` = (destination Rec, its ops) in processing order. Consecutive blocks are
     batched into a unit of about ``target`` bytes (its reads and writes then merge into few vectored
     syscalls); a block that stages a source the unit already stages joins it up to ``cap`` bytes, so the
@@ -200,7 +201,7 @@ def plan_units(items, cap: int, target: int = 64 << 20):
     target = max(1, min(target, cap // 2))
     cur, cur_srcs, cur_bytes = None, set(), 0
     for d, ops in items:
-        for b in blocks_of(d, ops, block_max):
+        for b in blocks_of(d, ops, block_max, cfr_min):
             srcs = {}
             if b.staged:
                 for s, sb, db in b.ops:
@@ -225,6 +226,28 @@ def plan_units(items, cap: int, target: int = 64 << 20):
                 cur = None
     if cur is not None:
         yield cur
+
+
+def _gather(bufs: list, start: int, out):
+    """Copy bytes [start, start + len(out)) of the concatenation of ``bufs`` into ``out``; returns ``out``."""
+    mv_out = memoryview(out)
+    need, done, pos = len(mv_out), 0, 0
+    for b in bufs:
+        b = memoryview(b).cast("B")
+        lb = len(b)
+        if pos + lb <= start:
+            pos += lb
+            continue
+        s0 = max(0, start - pos)
+        k = min(lb - s0, need - done)
+        mv_out[done:done + k] = b[s0:s0 + k]
+        done += k
+        pos += lb
+        if done == need:
+            break
+    if done != need:
+        raise EngineError(f"internal: gathered {done} of {need} bytes")
+    return mv_out
 
 
 _JUNK = bytearray(256 << 10)  # where bytes read only to keep a stream sequential land (contents unused)
@@ -281,14 +304,21 @@ class Engine:
     GAP_FILL = 256 << 10  # read through holes up to this size (zip headers between chunks) to stay sequential
 
     MIN_CAP = 8 << 20  # per-worker arena floor, whatever --max-memory says
+    ALIGN = 4096  # O_DIRECT offset/length/address alignment (covers 512 and 4096-byte logical blocks)
+    DIRECT_MIN = 256 << 10  # contiguous output runs at least this long are written with O_DIRECT
+    DIRECT_BUF = 16 << 20  # page-aligned per-thread staging buffer for O_DIRECT writes
 
-    def __init__(self, workers: int = 2, max_memory: int = 4 << 30, progress=None, readahead: int = 2):
-        """``readahead``: how many units are planned ahead of the workers."""
+    def __init__(self, workers: int = 2, max_memory: int = 4 << 30, progress=None, readahead: int = 2,
+                 direct: bool = True):
+        """``readahead``: how many units are planned ahead of the workers. ``direct``: write with O_DIRECT
+        where the file system allows it (falls back to buffered writes by itself)."""
+        self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         self.workers = max(1, int(workers))
         self.cap = max(self.MIN_CAP, int(max_memory) // self.workers)
         self.progress = progress
         self.readahead = readahead
         self._fds: dict = {}
+        self._path_of_fd: dict = {}
         self._fd_lock = threading.Lock()
         self._checked: dict = {}
         self._check_lock = threading.Lock()
@@ -297,7 +327,7 @@ class Engine:
         self._cfr = hasattr(os, "copy_file_range")
         self._failed = False
         self.stats = {"copy_file_range_bytes": 0, "bounce_bytes": 0, "direct_read_bytes": 0, "staged_bytes": 0,
-                      "arena_peak_bytes": 0,
+                      "arena_peak_bytes": 0, "direct_write_bytes": 0,
                       "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "slow_records": 0,
                       "units": 0, "blocks": 0}
         self._stats_lock = threading.Lock()
@@ -310,10 +340,14 @@ class Engine:
             with self._fd_lock:
                 fd = self._fds.get(key)
                 if fd is None:
+                    flags = os.O_RDONLY if not write else os.O_WRONLY | (os.O_DIRECT if write == "direct" else 0)
                     try:
-                        fd = os.open(path, os.O_WRONLY if write else os.O_RDONLY)
+                        fd = os.open(path, flags)
                     except OSError as e:
+                        if write == "direct":
+                            raise  # the caller falls back to buffered writes
                         raise EngineError(f"{path}: cannot open ({e.strerror})") from None
+                    self._path_of_fd[fd] = path
                     if not write and hasattr(os, "posix_fadvise"):
                         try:  # read in order: a larger kernel readahead window
                             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -359,6 +393,48 @@ class Engine:
             if k <= 0:
                 raise EngineError(f"short write (fd {fd} at {off + done})")
             done += k
+
+    def _write_run(self, fd: int, off: int, bufs: list, n: int):
+        """Write one contiguous run. On this class of machine the kernel's buffered-write path is the
+        bottleneck (3.4 GB: 8.9 s of system CPU buffered+fsync vs 0.4 s with O_DIRECT), so the 4 KiB-aligned
+        interior of a long run goes through O_DIRECT from a page-aligned staging buffer; the unaligned edge
+        bytes are written buffered. An edge block is never written directly (it is never wholly inside one
+        run and runs never overlap), so the page cache and the disk stay coherent; fsync at the end covers both."""
+        al = self.ALIGN
+        lo, hi = -(-off // al) * al, (off + n) // al * al
+        if not self.direct or n < self.DIRECT_MIN or hi - lo < al:
+            self._pwrite(fd, bufs, off)
+            return
+        try:
+            dfd = self.fd(self._path_of_fd[fd], "direct")
+        except OSError:
+            self.direct = False  # e.g. tmpfs: EINVAL
+            self._pwrite(fd, bufs, off)
+            return
+        if lo > off:
+            self._pwrite(fd, [_gather(bufs, 0, bytearray(lo - off))], off)
+        if off + n > hi:
+            self._pwrite(fd, [_gather(bufs, hi - off, bytearray(off + n - hi))], hi)
+        buf = getattr(self._local, "dbuf", None)
+        if buf is None:
+            import mmap
+
+            buf = self._local.dbuf = memoryview(mmap.mmap(-1, self.DIRECT_BUF))  # page-aligned
+        pos = lo
+        while pos < hi:
+            k = min(len(buf), hi - pos)
+            mv = _gather(bufs, pos - off, buf[:k])
+            try:
+                done = 0
+                while done < k:
+                    done += os.pwrite(dfd, mv[done:], pos + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+                self._pwrite(fd, [mv], pos)
+            pos += k
+        self._count("direct_write_bytes", hi - lo)
 
     def _copy_range(self, src: Rec, soff: int, dfd: int, doff: int, n: int):
         sfd = self.fd(src.path)
@@ -604,7 +680,7 @@ class Engine:
             dv.copy_(sv.reshape(dv.shape))
         t3 = time.perf_counter()
         for fd, off, bufs, n in _merge(writes):
-            self._pwrite(fd, bufs, off)
+            self._write_run(fd, off, bufs, n)
         self._count("t_copy", t3 - t2)
         self._count("t_write", time.perf_counter() - t3)
         for b in unit.blocks:
@@ -648,13 +724,15 @@ class Engine:
             self._pwrite(dfd, [d.tail], d.offset + d.nbytes)
 
 
-def run_copy(items, workers: int = 2, max_memory: int = 4 << 30, progress=None, sync: bool = True) -> dict:
+def run_copy(items, workers: int = 2, max_memory: int = 4 << 30, progress=None, sync: bool = True,
+             direct: bool = True) -> dict:
     """Copy into destination records: ``items`` yields (destination Rec, [Op into it]) in processing order
     (a generator is fine and is consumed as the copy proceeds). Destination files must exist at their final
-    size; they are fsync'ed at the end (``sync``)."""
-    eng = Engine(workers, max_memory, progress)
+    size; they are fsync'ed at the end (``sync``). ``direct``: O_DIRECT writes where possible; without them,
+    pieces of CFR_MIN bytes or more go through copy_file_range."""
+    eng = Engine(workers, max_memory, progress, direct=direct)
     try:
-        eng.run(plan_units(items, eng.cap))
+        eng.run(plan_units(items, eng.cap, cfr_min=None if eng.direct else CFR_MIN))
     finally:
         eng.close(sync=sync and not eng._failed)
     return eng.stats

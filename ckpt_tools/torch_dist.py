@@ -136,7 +136,8 @@ def chunk_pieces(layout, chunk):
 
 
 def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
-                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False) -> dict:
+                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
+                     direct_io: bool = True) -> dict:
     """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
 
     ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
@@ -208,7 +209,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
                     f.seek(pos[r] - len(obj_payload) * len(blobs[r]))
                     f.write(b"".join(blobs[r]))
         try:
-            stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar)
+            stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar, direct=direct_io)
         except EngineError as e:
             raise DistCkptError(str(e)) from None
         bar.close()

@@ -94,12 +94,18 @@ def _check(dsts, want):
             assert f.read(len(d.tail)) == d.tail, n
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("max_memory,workers", [(1 << 30, 1), (1 << 30, 3), (4 << 10, 2)])
-def test_every_op_kind_matches_torch(tmp_path, monkeypatch, max_memory, workers):
+def test_every_op_kind_matches_torch(tmp_path, monkeypatch, max_memory, workers, direct):
     monkeypatch.setattr(engine.Engine, "MIN_CAP", 1 << 10)  # tiny caps: row blocks, many units
+    monkeypatch.setattr(engine.Engine, "DIRECT_MIN", 1)  # O_DIRECT for every run with an aligned interior
     dsts, ops, want = _case(tmp_path)
-    st = run_copy(_items(dsts, ops), workers=workers, max_memory=max_memory)
+    st = run_copy(_items(dsts, ops), workers=workers, max_memory=max_memory, direct=direct)
     _check(dsts, want)
+    if not direct:
+        assert st["direct_write_bytes"] == 0
+    elif max_memory >= 1 << 20:  # whole records in one unit: their aligned interiors went O_DIRECT
+        assert st["direct_write_bytes"] > 0
     if max_memory < 1 << 20:
         assert st["blocks"] > len(dsts) and st["units"] > 3  # really cut into blocks and units
         assert st["arena_peak_bytes"] <= max_memory // workers
@@ -110,7 +116,7 @@ def test_every_op_kind_matches_torch(tmp_path, monkeypatch, max_memory, workers)
 def test_copy_file_range_and_its_fallback(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "CFR_MIN", 1)  # every all-direct block through copy_file_range
     dsts, ops, want = _case(tmp_path)
-    st = run_copy(_items(dsts, ops), workers=2)
+    st = run_copy(_items(dsts, ops), workers=2, direct=False)
     _check(dsts, want)
     assert st["copy_file_range_bytes"] > 0
 
@@ -119,7 +125,7 @@ def test_copy_file_range_and_its_fallback(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
     dsts, ops, want = _case(tmp_path)
-    st = run_copy(_items(dsts, ops), workers=2)
+    st = run_copy(_items(dsts, ops), workers=2, direct=False)
     _check(dsts, want)
     assert st["copy_file_range_bytes"] == 0 and st["bounce_bytes"] > 0
 
@@ -196,6 +202,7 @@ def test_zip_record_header_is_checked(tmp_path, monkeypatch, honest):
     assert (st["slow_records"] == 0) == honest
     monkeypatch.setattr(engine, "CFR_MIN", 1)  # the kernel-copy path checks the header too
     rows2 = Rec(dpath, 0, (64, 32), torch.bfloat16, what="rows")
-    st = run_copy([(rows2, [Op(src, ((0, 1), (0, 64), (0, 32)), rows2, ((0, 64), (0, 32)))])], workers=1)
+    st = run_copy([(rows2, [Op(src, ((0, 1), (0, 64), (0, 32)), rows2, ((0, 64), (0, 32)))])], workers=1,
+                  direct=False)
     assert torch.equal(_read(rows2).view(torch.int16), t[0].view(torch.int16))
     assert (st["slow_records"] == 0) == honest and st["copy_file_range_bytes"] == (rows.nbytes if honest else 0)
