@@ -10,7 +10,7 @@ import torch
 
 from .fsutil import publish, staging
 from .hf import HFShardWriter, copy_side_files
-from .layout import LayoutError, MegatronParallel, VllmParallel, boxes_disjoint_cover
+from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, boxes_disjoint_cover
 from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
 from .progress import Progress
@@ -78,7 +78,7 @@ def _hf_items(view, records):
         ops, covered = [], 0
         for srec, sbox, hsub in view.sources(rec.what, full_box(rec.shape)):
             ops.append(Op(srec, sbox, rec, hsub))
-            covered += _numel([b - a for a, b in hsub])
+            covered += box_numel(hsub)
         if covered != _numel(rec.shape):
             raise FormatError(f"{view.path}: {rec.what} is only {covered}/{_numel(rec.shape)} covered by stored chunks")
         yield rec, ops

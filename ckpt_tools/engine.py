@@ -6,19 +6,19 @@ output file (a safetensors tensor; the data of one ``torch.save``'d dist-checkpo
 (:mod:`ckpt_tools.layout`, :mod:`ckpt_tools.mapping`). The engine:
 
 * splits big destination records into row blocks, so memory stays bounded whatever the tensor size;
-* runs an op whose source and destination bytes are both contiguous (row ranges: most bytes of every
-  direction) as a kernel-side ``copy_file_range`` - the bytes never enter this process - or, where the
-  file system refuses that (another mount, some network file systems), ``preadv`` + ``pwrite`` through a
-  reused buffer;
-* *stages* the rest (column slices - o_proj / down_proj under tensor parallelism - and dtype casts): the
-  source's contiguous span is read once with ``preadv`` into a per-worker arena that is allocated once and
-  reused (a fresh allocation page-faults at ~0.7 GB/s on the 2-core CI machine, a reused buffer copies at
-  ~12 GB/s), the destination block is assembled there with strided torch copies and written with one
-  ``pwritev``. Blocks that stage the same source are grouped into one unit so the source is read once;
+* assembles each block in a per-worker arena that is allocated once and reused (a fresh allocation page-faults
+  at ~0.7 GB/s on the 2-core CI machine, a reused buffer copies at ~12 GB/s): an op whose source and
+  destination bytes are both contiguous (row ranges: most bytes of every direction) is read straight into
+  place with ``preadv``; the rest (column slices - o_proj / down_proj under tensor parallelism - and dtype
+  casts) is *staged*: the source's contiguous span is read once and copied with strided torch copies.
+  Blocks that stage the same source are grouped into one unit so the source is read once;
+* writes each contiguous output run with O_DIRECT for its 4 KiB-aligned interior and buffered ``pwritev``
+  for the edges (``direct=False``: all buffered, and pieces of ``CFR_MIN`` bytes or more go kernel-side
+  through ``copy_file_range``, or ``preadv`` + ``pwrite`` where the file system refuses it);
 * runs units on ``workers`` threads (syscalls and torch copies release the GIL). Reads happen strictly in
   unit order (a turnstile), merged across the small holes between chunks (zip headers: read into a
   throwaway buffer), so each source file is one sequential stream for the kernel's readahead while the
-  other workers copy and write. A zip-record source's header is read in the same syscall and checked.
+  other workers copy and write.
 
 Measured and left out (docs/performance.md): ``posix_fadvise(WILLNEED)`` read-ahead (this kernel reads little
 of it) and background read-ahead threads (on this throughput-bound disk they compete with the cold torch
@@ -26,8 +26,9 @@ import and the engine's own reads and did not help); copy_file_range for small p
 
 Destination files are created at their final size by the format writers (``ftruncate``: reads as zeros),
 so padding regions that no op covers need no write. Sources stored inside ``torch.save`` zip records (dist
-checkpoint chunks) carry the exact header bytes expected before their data: each is checked once before its
-first read, and a record that does not match is loaded the slow way with ``torch.load``.
+checkpoint chunks) carry the exact header bytes expected before their data: each is checked once, read in the
+same syscall as its first data (or by a small read before a copy_file_range), and a record that does not
+match is loaded the slow way with ``torch.load``.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def row_blocks(shape, itemsize: int, max_bytes: int) -> list[Box]:
 class Block:
     dst: Rec
     box: Box
-    ops: list  # (src Rec, sbox, dbox) with dbox inside box
+    ops: list  # (src Rec, sbox, dbox, direct) with dbox inside box; direct: see _direct
     staged: bool  # some op needs its source staged (strided or cast): the unit groups blocks sharing it
     first: bool
     last: bool
@@ -149,7 +150,6 @@ class Block:
 @dataclass(eq=False)
 class Unit:
     blocks: list = field(default_factory=list)
-    staged_bytes: int = 0
     seq: int = 0
 
 
@@ -181,12 +181,12 @@ def blocks_of(d: Rec, ops, block_max: int, cfr_min: int = None):
             if sub is None:
                 continue
             sb = map_sub(op.dbox, op.sbox, sub) if sub != op.dbox else op.sbox
-            bops.append((op.src, sb, sub))
-        staged = not all(_direct(s, sb, d, db) for s, sb, db in bops)
+            bops.append((op.src, sb, sub, _direct(op.src, sb, d, sub)))
+        staged = not all(dr for *_, dr in bops)
         b = Block(d, bx, bops, staged, bi == 0, bi == len(boxes) - 1, box_numel(bx) * isz,
-                  sum(box_numel(db) for _, _, db in bops))
+                  sum(box_numel(db) for _, _, db, _ in bops))
         b.cfr = (not staged and bool(bops) and cfr_min is not None
-                 and min(box_numel(db) for _, _, db in bops) * isz >= cfr_min)
+                 and min(box_numel(db) for _, _, db, _ in bops) * isz >= cfr_min)
         if b.covered > box_numel(bx):
             raise EngineError(f"internal: {d.what or d.path} block {bx}: {b.covered} elements written into {box_numel(bx)}")
         yield b
@@ -202,11 +202,7 @@ def plan_units(items, cap: int, target: int = 64 << 20, cfr_min: int | None = No
     cur, cur_srcs, cur_bytes = None, set(), 0
     for d, ops in items:
         for b in blocks_of(d, ops, block_max, cfr_min):
-            srcs = {}
-            if b.staged:
-                for s, sb, db in b.ops:
-                    if not _direct(s, sb, d, db):
-                        srcs[id(s)] = s.nbytes
+            srcs = {id(s): s.nbytes for s, _, _, dr in b.ops if not dr}
             new = b.nbytes + sum(v for k, v in srcs.items() if k not in cur_srcs)
             if cur is not None:
                 shares = bool(srcs.keys() & cur_srcs)
@@ -219,8 +215,6 @@ def plan_units(items, cap: int, target: int = 64 << 20, cfr_min: int | None = No
             cur.blocks.append(b)
             cur_srcs |= srcs.keys()
             cur_bytes += new
-            if b.staged:
-                cur.staged_bytes += b.nbytes
             if b.cfr:
                 yield cur
                 cur = None
@@ -568,10 +562,8 @@ class Engine:
         # staged sources: the contiguous span holding every part the unit needs, per source
         spans: dict = {}
         for b in unit.blocks:
-            if not b.staged:
-                continue
-            for s, sb, db in b.ops:
-                if _direct(s, sb, b.dst, db):
+            for s, sb, _, is_direct in b.ops:
+                if is_direct:
                     continue
                 bx = span_box(s.shape, sb)
                 cur = spans.get(id(s))
@@ -623,9 +615,9 @@ class Engine:
             isz = d.dtype.itemsize
             bshape = box_shape(b.box)
             origin = [x[0] for x in b.box]
-            for s, sb, db in b.ops:
+            for s, sb, db, is_direct in b.ops:
                 local = box_shift(db, origin)
-                if _direct(s, sb, d, db):
+                if is_direct:
                     el, n = contiguous_span(bshape, local)
                     src_el, _ = contiguous_span(s.shape, sb)
                     read_src(s, s.offset + src_el * isz, memoryview(anp[o + el * isz:o + (el + n) * isz]))
@@ -660,7 +652,7 @@ class Engine:
             for s, h in heads.values():
                 self._checked[id(s)] = "fast" if bytes(h) == s.expect_head else "slow"
             for b in unit.blocks:
-                for s, _, _ in b.ops:
+                for s, *_ in b.ops:
                     if id(s) not in slow and (s.slow or self._checked.get(id(s)) == "slow"
                                               or (b.cfr and self._src_state(s) == "slow")):
                         slow[id(s)] = self._load_slow(s)
@@ -712,7 +704,7 @@ class Engine:
         isz = d.dtype.itemsize
         if b.first and d.head:
             self._pwrite(dfd, [d.head], d.offset - len(d.head))
-        for s, sb, db in b.ops:
+        for s, sb, db, _ in b.ops:
             dst_el, n = contiguous_span(d.shape, db)
             if id(s) in slow:
                 t = slow[id(s)][box_slices(sb)].to(d.dtype).contiguous().view(torch.uint8).numpy()

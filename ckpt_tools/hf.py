@@ -41,6 +41,7 @@ class HFReader:
         if not files:
             raise HFError(f"{path}: no *.safetensors files")
         self._handles = {}
+        self._records = None
         self.files = files
         self.meta: dict[str, tuple[str, tuple, torch.dtype]] = {}
         for fn in files:
@@ -91,7 +92,7 @@ class HFReader:
         """Name -> engine :class:`~ckpt_tools.engine.Rec` (file, absolute data offset, shape, dtype), from the
         safetensors headers (8-byte little-endian length, JSON with ``data_offsets`` relative to the data
         section). The engine reads these byte ranges with copy_file_range / preadv instead of the mmap."""
-        if getattr(self, "_records", None) is None:
+        if self._records is None:
             from .engine import Rec
 
             recs = {}

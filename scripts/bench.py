@@ -260,7 +260,6 @@ def main():
                                    "--no-progress"], check=True, stdout=subprocess.DEVNULL)
         for rep in range(args.repeats):
             for key, name, cmd, o in steps:
-                tmp_keep = key == "hf2mcore" and ("mcore2hf" in want or "reshard" in want)
                 shutil.rmtree(o, ignore_errors=True)
                 dropped = drop_caches()
                 r = run_step(cmd)
@@ -270,7 +269,7 @@ def main():
                 print(f"{nbytes / 1e9:5.2f} GB rep {rep} {name:<30} {r['seconds']:7.2f} s (sync {r['sync_seconds']:.2f})"
                       f"  {r['gbps']:6.3f} GB/s  peak RSS {r['peak_rss'] / 2**30:5.2f} GiB "
                       f"(anon {r['peak_rss_anon'] / 2**30:5.2f})", flush=True)
-                if not tmp_keep and key != "hf2mcore":
+                if key != "hf2mcore":  # hf2mcore's output is the next steps' input
                     shutil.rmtree(o, ignore_errors=True)
         for o in ("cp", "back", "vllm", "baseline"):
             shutil.rmtree(out(o), ignore_errors=True)

@@ -35,10 +35,6 @@ def _read(rec):
     return torch.frombuffer(bytearray(b), dtype=rec.dtype).reshape(rec.shape)
 
 
-def _sl(box):
-    return tuple(slice(a, b) for a, b in box)
-
-
 def _case(tmp_path):
     """Sources and destinations exercising each kind of op; returns (dsts, ops, expected tensors)."""
     g = torch.Generator().manual_seed(0)
