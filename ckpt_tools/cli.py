@@ -38,8 +38,11 @@ def _add_megatron_topology(p):
 
 def _add_io(p):
     p.add_argument("--buffered-io", action="store_true",
-                   help="write through the page cache only (default: long contiguous runs are written with O_DIRECT, "
-                        "falling back by itself where the file system refuses it)")
+                   help="read and write through the page cache only (default: long contiguous runs are read and "
+                        "written with O_DIRECT, falling back by itself where the file system refuses it)")
+    p.add_argument("--io-threads", type=int, default=8,
+                   help="O_DIRECT requests in flight, shared by the workers (default 8; direct I/O has no kernel "
+                        "readahead or write-behind, so a disk needs several)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,14 +152,16 @@ def _run(args) -> int:
         r = convert.hf2mcore(args.hf, args.out, pp=args.pp, tp=args.tp, ep=args.ep, etp=args.etp, first=args.first,
                              last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                              workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
-                             vocab_size_divisible_by=args.vocab_div, progress=prog, direct_io=not args.buffered_io)
+                             vocab_size_divisible_by=args.vocab_div, progress=prog, direct_io=not args.buffered_io,
+                             io_threads=args.io_threads)
         print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
               f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "mcore2hf":
         r = convert.mcore2hf(args.mcore, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                              workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=prog,
-                             max_memory=args.max_memory, direct_io=not args.buffered_io)
+                             max_memory=args.max_memory, direct_io=not args.buffered_io,
+                             io_threads=args.io_threads)
         print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
               f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
         return 0
@@ -164,7 +169,8 @@ def _run(args) -> int:
         r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                             ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
                             overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory,
-                            direct_io=not args.buffered_io)
+                            direct_io=not args.buffered_io,
+                             io_threads=args.io_threads)
         print(f"wrote {r['out']}: {r['layout']}, {r['ranks']} rank dirs, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "verify":

@@ -43,7 +43,7 @@ def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, la
 
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
-             vocab_size_divisible_by=None, progress=True, direct_io=True) -> dict:
+             vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8) -> dict:
     cfg = load_config(hf)
     par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
@@ -51,7 +51,7 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     view = HFView(hf, cfg)
     dt = _dtype(dtype, view.dtype)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
-                           progress=progress, overwrite=overwrite, direct_io=direct_io)
+                           progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads)
     with open(os.path.join(out, SIDE_CAR), "w") as f:
         json.dump({"source": os.path.abspath(hf), "spec": spec, "dtype": str(dt), "pp": par.pp, "tp": par.tp,
                    "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage),
@@ -60,11 +60,12 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     return res
 
 
-def _copy_into(items, workers, max_memory, bar, direct_io=True):
+def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8):
     from .engine import EngineError, run_copy
 
     try:
-        return run_copy(items, workers=workers, max_memory=max_memory, progress=bar, direct=direct_io)
+        return run_copy(items, workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
+                        io_threads=io_threads)
     except EngineError as e:
         raise FormatError(str(e)) from None
 
@@ -85,7 +86,7 @@ def _hf_items(view, records):
 
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
-             overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True) -> dict:
+             overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8) -> dict:
     cfg = load_config(hf_config)
     view = McoreView(mcore, cfg, prefix=prefix, cache_bytes=max(64 << 20, max_memory // (4 * max(1, workers))))
     problems = view.integrity()
@@ -98,7 +99,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     try:
         writer = HFShardWriter(tmp, [(n, view.shapes[n], dt) for n in names], max_shard_size)
         bar = Progress(writer.total, "mcore2hf", enabled=progress)
-        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io)
+        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads)
         bar.close()
         index = writer.finish()
         copied = copy_side_files(hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config), tmp)
@@ -128,7 +129,7 @@ def open_source(path: str, hf_config: str | None, prefix=None):
 
 def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = False, ep: int | None = None,
             hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
-            max_memory=4 << 30, direct_io=True) -> dict:
+            max_memory=4 << 30, direct_io=True, io_threads=8) -> dict:
     """Write vLLM per-rank shards ``out/rank_{r}/model.safetensors`` (+ config, vllm_layout.json)."""
     if ep is not None:
         if ep % tp:
@@ -176,7 +177,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
 
         total = sum(x[2].nbytes for x in items)
         bar = Progress(total, "reshard", enabled=progress)
-        stats = _copy_into(plan(), workers, max_memory, bar, direct_io)
+        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads)
         bar.close()
         for r, w in enumerate(writers):
             w.finish()

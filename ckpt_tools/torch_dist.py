@@ -137,7 +137,7 @@ def chunk_pieces(layout, chunk):
 
 def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
                      max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
-                     direct_io: bool = True) -> dict:
+                     direct_io: bool = True, io_threads: int = 8) -> dict:
     """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
 
     ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
@@ -209,7 +209,8 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
                     f.seek(pos[r] - len(obj_payload) * len(blobs[r]))
                     f.write(b"".join(blobs[r]))
         try:
-            stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar, direct=direct_io)
+            stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
+                             io_threads=io_threads)
         except EngineError as e:
             raise DistCkptError(str(e)) from None
         bar.close()

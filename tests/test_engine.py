@@ -95,13 +95,16 @@ def _check(dsts, want):
 def test_every_op_kind_matches_torch(tmp_path, monkeypatch, max_memory, workers, direct):
     monkeypatch.setattr(engine.Engine, "MIN_CAP", 1 << 10)  # tiny caps: row blocks, many units
     monkeypatch.setattr(engine.Engine, "DIRECT_MIN", 1)  # O_DIRECT for every run with an aligned interior
+    monkeypatch.setattr(engine.Engine, "DIRECT_BUF", 2 * engine.Engine.ALIGN)  # many pieces, on the I/O pool
     dsts, ops, want = _case(tmp_path)
     st = run_copy(_items(dsts, ops), workers=workers, max_memory=max_memory, direct=direct)
     _check(dsts, want)
     if not direct:
-        assert st["direct_write_bytes"] == 0
-    elif max_memory >= 1 << 20:  # whole records in one unit: their aligned interiors went O_DIRECT
-        assert st["direct_write_bytes"] > 0
+        assert st["direct_write_bytes"] == 0 and st["direct_read_span_bytes"] == 0
+    else:  # every source run was read with O_DIRECT (whole aligned pages around the bytes it needs)
+        assert st["direct_read_span_bytes"] >= st["direct_read_bytes"] + st["staged_bytes"] > 0
+        if max_memory >= 1 << 20:  # whole records in one unit: their aligned interiors went O_DIRECT
+            assert st["direct_write_bytes"] > 0
     if max_memory < 1 << 20:
         assert st["blocks"] > len(dsts) and st["units"] > 3  # really cut into blocks and units
         assert st["arena_peak_bytes"] <= max_memory // workers
@@ -126,11 +129,64 @@ def test_copy_file_range_and_its_fallback(tmp_path, monkeypatch):
     assert st["copy_file_range_bytes"] == 0 and st["bounce_bytes"] > 0
 
 
-def test_truncated_source_is_an_error(tmp_path):
+@pytest.mark.parametrize("direct_min", [1, 1 << 40])
+def test_truncated_source_is_an_error(tmp_path, monkeypatch, direct_min):
+    """A source file shorter than its records is an error, whether it is read with O_DIRECT or buffered."""
+    monkeypatch.setattr(engine.Engine, "DIRECT_MIN", direct_min)
     dsts, ops, _ = _case(tmp_path)
     os.truncate(str(tmp_path / "src.bin"), 200)
     with pytest.raises(engine.EngineError, match="truncated"):
         run_copy(_items(dsts, ops), workers=2)
+
+
+def _is_direct(fd):
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+@pytest.mark.parametrize("where", ["open", "io"])
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_direct_io_refused_falls_back_exactly(tmp_path, monkeypatch, where, io_threads):
+    """A file system that refuses O_DIRECT at open (tmpfs) or only at the read/write (EINVAL) is read and
+    written buffered instead, with the same bytes."""
+    monkeypatch.setattr(engine.Engine, "DIRECT_MIN", 1)
+    monkeypatch.setattr(engine.Engine, "DIRECT_BUF", 2 * engine.Engine.ALIGN)
+    real_open, real_preadv, real_pwrite = os.open, os.preadv, os.pwrite
+    refused = []
+
+    def einval(what):
+        refused.append(what)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    if where == "open":
+        monkeypatch.setattr(os, "open", lambda p, fl, *a: einval("open") if fl & os.O_DIRECT else real_open(p, fl, *a))
+    else:
+        monkeypatch.setattr(os, "preadv", lambda fd, b, o: einval("read") if _is_direct(fd) else real_preadv(fd, b, o))
+        monkeypatch.setattr(os, "pwrite", lambda fd, b, o: einval("write") if _is_direct(fd) else real_pwrite(fd, b, o))
+    dsts, ops, want = _case(tmp_path)
+    st = run_copy(_items(dsts, ops), workers=2, io_threads=io_threads)
+    _check(dsts, want)
+    assert refused and st["direct_read_span_bytes"] == 0 and st["direct_write_bytes"] == 0
+    if where == "io":
+        assert {"read", "write"} <= set(refused)
+
+
+def test_direct_read_error_is_raised_after_all_pieces(tmp_path, monkeypatch):
+    """An I/O error in one piece on the pool is raised (not swallowed, no hang), after the other pieces end."""
+    monkeypatch.setattr(engine.Engine, "DIRECT_MIN", 1)
+    monkeypatch.setattr(engine.Engine, "DIRECT_BUF", engine.Engine.ALIGN)
+    real_preadv = os.preadv
+
+    def eio(fd, bufs, off):
+        if _is_direct(fd) and off == engine.Engine.ALIGN:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", eio)
+    dsts, ops, _ = _case(tmp_path)
+    with pytest.raises(OSError, match="Input/output error"):
+        run_copy(_items(dsts, ops), workers=2, io_threads=4)
 
 
 def test_hf2mcore_reads_each_staged_source_once(tiny_hf, tmp_path):
