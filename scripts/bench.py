@@ -12,14 +12,18 @@ chunk 3 MiB); the size is set by the layer count. ``--shape small`` (hidden 1024
 
 Honest page cache use: before every step the page cache is dropped (sync; echo 3 > drop_caches; the table
 says if that was refused), and every step's time includes a final ``sync`` - cp -r too, which otherwise
-leaves its writes in the cache. Steps alternate within each repeat so disk drift (this cloud disk's speed
-varies 2-4x over minutes) hits all alike; the table shows the median (and best) of the repeats. Each
+leaves its writes in the cache. The guest's drop does not reach the host's cache (docs/performance.md):
+each step reads what a step shortly before it read or wrote. Steps alternate within each repeat, in an order
+changed every repeat, so disk drift (this cloud disk's speed varies 2-30x over minutes) and the host's cache
+hit all alike; the table shows the median (and best) of the repeats, and "paired": the median of cp's time
+over the step's within each repeat. Each
 step is its own process: peak RSS is its VmHWM, RssAnon its peak anonymous memory (sampled every 20 ms). Output: a table and --json.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -172,23 +176,29 @@ dist_checkpointing.save(m.sharded_state_dict(), %(out)r)
 
 
 def _table(rows, out=print):
-    out(f"{'size GB':>7} {'step':<30} {'median s':>8} {'best s':>7} {'GB/s':>6} {'x cp':>5} "
+    """``x cp``: median cp time / median step time. ``paired``: the median over repeats of cp's time / the
+    step's time in the same round (minutes apart, so less exposed to the disk's drift than medians taken
+    over the whole run)."""
+    out(f"{'size GB':>7} {'step':<30} {'median s':>8} {'best s':>7} {'GB/s':>6} {'x cp':>5} {'paired':>6} "
         f"{'peak RSS GiB':>12} {'anon GiB':>8}  cache")
     summary = []
     for gb in sorted({r["size_gb"] for r in rows}):
-        cp = statistics.median(r["seconds"] for r in rows if r["size_gb"] == gb and r["step"] == "cp -r")
+        cps = {r["repeat"]: r["seconds"] for r in rows if r["size_gb"] == gb and r["step"] == "cp -r"}
+        cp = statistics.median(cps.values())
         for name in dict.fromkeys(r["step"] for r in rows):
             rs = [r for r in rows if r["size_gb"] == gb and r["step"] == name]
             med = statistics.median(r["seconds"] for r in rs)
+            paired = statistics.median(cps[r["repeat"]] / r["seconds"] for r in rs)
             rss = max(r["peak_rss"] for r in rs)
             anon = max(r["peak_rss_anon"] for r in rs)
             summary.append(dict(step=name, size_gb=gb, bytes=rs[0]["bytes"], median_s=med,
                                 best_s=min(r["seconds"] for r in rs), runs=[r["seconds"] for r in rs],
-                                x_cp=cp / med, gbps=rs[0]["bytes"] / med / 1e9, peak_rss=rss, peak_rss_anon=anon,
+                                x_cp=cp / med, x_cp_paired=paired, gbps=rs[0]["bytes"] / med / 1e9,
+                                peak_rss=rss, peak_rss_anon=anon,
                                 cache_dropped=all(r["cache_dropped"] for r in rs)))
             out(f"{gb:>7.2f} {name:<30} {med:>8.2f} {min(r['seconds'] for r in rs):>7.2f} "
-                f"{rs[0]['bytes'] / med / 1e9:>6.3f} {cp / med:>5.2f} {rss / 2**30:>12.2f} {anon / 2**30:>8.2f}  "
-                f"{'dropped' if summary[-1]['cache_dropped'] else 'WARM (drop refused)'}")
+                f"{rs[0]['bytes'] / med / 1e9:>6.3f} {cp / med:>5.2f} {paired:>6.2f} {rss / 2**30:>12.2f} "
+                f"{anon / 2**30:>8.2f}  {'dropped' if summary[-1]['cache_dropped'] else 'WARM (drop refused)'}")
     sz = sorted({r["size_gb"] for r in rows})
     if len(sz) > 1:
         out("")
@@ -255,11 +265,17 @@ def main():
             code = BASELINE % dict(root=ROOT, hf=hf, out=out("baseline"), port=29700)
             steps.append(("baseline", "baseline: megatron model+save", [sys.executable, "-c", code], out("baseline")))
         steps = [x for x in steps if x[0] in want]
-        if ("mcore2hf" in want or "reshard" in want) and "hf2mcore" not in want and not os.path.isdir(out("mcore")):
+        if ("mcore2hf" in want or "reshard" in want) and not os.path.isfile(os.path.join(out("mcore"), ".metadata")):
             subprocess.run(tool + ["hf2mcore", "--hf", hf, "--out", out("mcore"), "--tp", "4", "--ep", "4",
-                                   "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+                                   "--no-progress", "--overwrite"], check=True, stdout=subprocess.DEVNULL)
         for rep in range(args.repeats):
-            for key, name, cmd, o in steps:
+            # a new order every repeat: step (rep + i * (rep + 1)) mod n, so what runs just before a step, and
+            # what the host still caches of it, changes (cp right after the baseline, which reads the HF dir
+            # through the page cache, ran 2-5x faster than cp after anything else: docs/performance.md)
+            n = len(steps)
+            mult = rep + 1 if math.gcd(rep + 1, n) == 1 else 1
+            order = [steps[(rep + i * mult) % n] for i in range(n)]
+            for key, name, cmd, o in order:
                 shutil.rmtree(o, ignore_errors=True)
                 dropped = drop_caches()
                 r = run_step(cmd)
