@@ -222,42 +222,39 @@ def plan_units(items, cap: int, target: int = 64 << 20, cfr_min: int | None = No
         yield cur
 
 
+def _spans(bufs: list, start: int, need: int):
+    """The pieces of bytes [start, start + need) of the concatenation of ``bufs``: (buffer as bytes, offset
+    in it, offset in the range, length)."""
+    done, pos = 0, 0
+    for b in bufs:
+        lb = len(b)
+        if done == need:
+            break
+        if pos + lb > start:
+            s0 = max(0, start - pos)
+            k = min(lb - s0, need - done)
+            yield memoryview(b).cast("B"), s0, done, k
+            done += k
+        pos += lb
+
+
 def _scatter(bufs: list, start: int, data) -> int:
     """Copy ``data`` into bytes [start, start + len(data)) of the concatenation of ``bufs``; returns the count."""
     data = memoryview(data).cast("B")
-    need, done, pos = len(data), 0, 0
-    for b in bufs:
-        lb = len(b)
-        if pos + lb <= start:
-            pos += lb
-            continue
-        s0 = max(0, start - pos)
-        k = min(lb - s0, need - done)
-        memoryview(b).cast("B")[s0:s0 + k] = data[done:done + k]
+    done = 0
+    for b, s0, d, k in _spans(bufs, start, len(data)):
+        b[s0:s0 + k] = data[d:d + k]
         done += k
-        pos += lb
-        if done == need:
-            break
     return done
 
 
 def _gather(bufs: list, start: int, out):
     """Copy bytes [start, start + len(out)) of the concatenation of ``bufs`` into ``out``; returns ``out``."""
     mv_out = memoryview(out)
-    need, done, pos = len(mv_out), 0, 0
-    for b in bufs:
-        b = memoryview(b).cast("B")
-        lb = len(b)
-        if pos + lb <= start:
-            pos += lb
-            continue
-        s0 = max(0, start - pos)
-        k = min(lb - s0, need - done)
-        mv_out[done:done + k] = b[s0:s0 + k]
+    need, done = len(mv_out), 0
+    for b, s0, d, k in _spans(bufs, start, need):
+        mv_out[d:d + k] = b[s0:s0 + k]
         done += k
-        pos += lb
-        if done == need:
-            break
     if done != need:
         raise EngineError(f"internal: gathered {done} of {need} bytes")
     return mv_out
