@@ -169,8 +169,7 @@ def _run(args) -> int:
         r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                             ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
                             overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory,
-                            direct_io=not args.buffered_io,
-                             io_threads=args.io_threads)
+                            direct_io=not args.buffered_io, io_threads=args.io_threads)
         print(f"wrote {r['out']}: {r['layout']}, {r['ranks']} rank dirs, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "verify":

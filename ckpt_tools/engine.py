@@ -394,14 +394,18 @@ class Engine:
         return a
 
     # -- primitive I/O
+    @staticmethod
+    def _truncated(src: Rec, end: int, fd: int) -> EngineError:
+        return EngineError(f"{src.path}: truncated: {src.what or 'tensor'} needs bytes up to {end}, "
+                           f"file ends at {os.fstat(fd).st_size}")
+
     def _pread_into(self, src: Rec, mv, off: int):
         fd = self.fd(src.path)
         done, n = 0, len(mv)
         while done < n:
             k = os.preadv(fd, [mv[done:]], off + done)
             if k <= 0:
-                raise EngineError(f"{src.path}: truncated: {src.what or 'tensor'} needs bytes up to {off + n}, "
-                                  f"file ends at {os.fstat(fd).st_size}")
+                raise self._truncated(src, off + n, fd)
             done += k
 
     def _pwrite(self, fd: int, bufs: list, off: int):
@@ -492,8 +496,7 @@ class Engine:
                 while done < n:
                     k = os.copy_file_range(sfd, dfd, min(n - done, self.COPY_CHUNK), soff + done, doff + done)
                     if k <= 0:
-                        raise EngineError(f"{src.path}: truncated: {src.what or 'tensor'} needs bytes up to "
-                                          f"{soff + n}, file ends at {os.fstat(sfd).st_size}")
+                        raise self._truncated(src, soff + n, sfd)
                     done += k
                 self._count("copy_file_range_bytes", n)
                 return
@@ -636,8 +639,7 @@ class Engine:
         self._run_io(tasks)
         for src, dfd, off, n, got in checks:
             if got[0] != n:
-                raise EngineError(f"{src.path}: truncated: {src.what or 'tensor'} needs bytes up to {off + n}, "
-                                  f"file ends at {os.fstat(dfd).st_size}")
+                raise self._truncated(src, off + n, dfd)
 
     def _rdirect_fd(self, src: Rec):
         try:
