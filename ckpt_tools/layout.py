@@ -13,7 +13,7 @@ mapping table, turned into segments by :mod:`ckpt_tools.mapping`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 
@@ -134,13 +134,18 @@ class MegatronParallel:
     """Target Megatron-core parallel layout (core_v0.12.1 semantics, order ``tp-cp-ep-dp-pp``, cp=1).
 
     ``layers_per_stage`` is the per pipeline stage layer count. Megatron derives it from
-    ``num_layers_in_first/last_pipeline_stage`` as in ``get_transformer_layer_offset``."""
+    ``num_layers_in_first/last_pipeline_stage`` as in ``get_transformer_layer_offset``.
+    ``dp_replicas``: copies of the smallest grid (lcm(TP, ETP*EP) ranks per stage) the job runs; megatron's
+    data-parallel size is then ``dp`` (dense) / ``edp`` (experts), e.g. PP8 x TP4 x EP4 (ETP4) is 128 ranks
+    with dense DP 4 and expert DP 1 at ``dp_replicas=1``. Checkpoint files do not depend on it (replica 0 writes);
+    weight sync uses every replica as a possible source (:func:`chunk_holders`)."""
 
     pp: int
     tp: int
     ep: int
     etp: int
     layers_per_stage: tuple
+    dp_replicas: int = 1
 
     @staticmethod
     def build(num_layers: int, pp: int = 1, tp: int = 1, ep: int = 1, etp: int | None = None,
@@ -200,10 +205,15 @@ class MegatronParallel:
             stages = (num_layers // pp,) * pp
         return MegatronParallel(pp, tp, ep, etp, stages)
 
+    def with_dp_replicas(self, n: int) -> "MegatronParallel":
+        if n < 1:
+            raise LayoutError(f"--actor-dp must be >= 1 (got {n})")
+        return MegatronParallel(self.pp, self.tp, self.ep, self.etp, self.layers_per_stage, n)
+
     # world / ranks ----------------------------------------------------------------------------
     @property
     def ranks_per_stage(self) -> int:
-        return math.lcm(self.tp, self.etp * self.ep)
+        return math.lcm(self.tp, self.etp * self.ep) * self.dp_replicas
 
     @property
     def world(self) -> int:
@@ -242,16 +252,38 @@ class MegatronParallel:
 
     def describe(self) -> str:
         s = f"PP{self.pp} x TP{self.tp} x EP{self.ep} (ETP{self.etp}); world {self.world}"
+        if self.dp_replicas > 1:
+            s += f" (DP {self.dp}, expert DP {self.edp})"
         return s + f"; layers per stage {list(self.layers_per_stage)}"
+
+
+def chunk_holders(par: MegatronParallel, chunk_rank: int, shard: str, group: str) -> tuple:
+    """Every rank whose live model holds the chunk that replica-0 rank ``chunk_rank`` writes.
+
+    megatron.core.parallel_state (0.12.1, order tp-cp-ep-dp-pp): a ``rep`` dense tensor (norms, router) is
+    on every rank of its stage; a TP-cut dense chunk on the same TP rank of every dense-DP replica
+    (rank + tp*d); an expert chunk on the same (ETP, EP) position of every expert-DP replica
+    (rank + etp*ep*d). A ``row``/``col``/``glu`` tensor with TP 1 is a whole-tensor chunk like ``rep`` but
+    still cut by the DP grid only."""
+    S = par.ranks_per_stage
+    stage0 = (chunk_rank // S) * S
+    if group == "dense" and shard == "rep":
+        return tuple(range(stage0, stage0 + S))
+    if group == "dense":
+        return tuple(chunk_rank + par.tp * d for d in range(par.dp))
+    return tuple(chunk_rank + par.etp * par.ep * d for d in range(par.edp))
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """One saved chunk of a Megatron dist-checkpoint tensor: its global box and the writing rank."""
+    """One saved chunk of a Megatron dist-checkpoint tensor: its global box and the writing rank.
+
+    ``holders``: every rank whose live model holds this chunk (the DP replicas; see :func:`chunk_holders`)."""
 
     key: str
     box: Box
     rank: int
+    holders: tuple = field(default=(), compare=False)
 
 
 def megatron_chunks(key: str, shape: Sequence[int], lead: Sequence[int], shard: str, group: str,
@@ -298,7 +330,7 @@ def megatron_chunks(key: str, shape: Sequence[int], lead: Sequence[int], shard: 
                 out.append(Chunk(key, lead_box + tuple(bx), owner(r)))
     else:
         raise ValueError(f"unknown shard kind {shard!r}")
-    return out
+    return [Chunk(c.key, c.box, c.rank, chunk_holders(par, c.rank, shard, group)) for c in out]
 
 
 # ------------------------------------------------------------------------------------ vLLM topology

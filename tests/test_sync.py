@@ -1,0 +1,92 @@
+"""Weight sync (ckpt_tools.sync): the pure schedule here; real megatron-core + vLLM runs below."""
+import pytest
+import torch
+
+from ckpt_tools.layout import LayoutError, MegatronParallel, VllmParallel, box_numel
+from ckpt_tools.model_config import config_from_dict, load_config
+from ckpt_tools.synth import TINY
+from ckpt_tools.sync import SyncSchedule
+
+
+def _cfg(**kw):
+    return config_from_dict(dict(TINY, model_type="qwen3_moe", **kw))
+
+
+def _loader_bytes(s, local):
+    """Independent of the schedule: elements of every vLLM parameter of that rank minus its padding."""
+    n = 0
+    for ts in s.vlayout.ranks[local].values():
+        n += box_numel(tuple((0, x) for x in ts.shape)) - sum(box_numel(z) for z in ts.zeros)
+    return n * s.elem
+
+
+TOPOS = [
+    # uneven PP, TP=EP actor; vLLM TP2 x DP2 with expert parallel (EP4), colocated on 8 ranks with 2 replicas
+    (dict(), MegatronParallel.build(6, pp=2, tp=2, ep=2, layer_list=[2, 4]), VllmParallel(2, 2, True),
+     dict(rollout_replicas=2)),
+    # actor DP replicas as sources, vLLM TP8 > kv heads (kv replication), vocab padding, disjoint ranks
+    (dict(vocab_size=250), MegatronParallel.build(6, pp=1, tp=2, ep=1), VllmParallel(8), dict(actor_dp=2, rollout_ranks=range(4, 12))),
+    # ETP1 experts, small buckets
+    (dict(), MegatronParallel.build(6, pp=2, tp=1, ep=4, etp=1), VllmParallel(4), dict(rollout_replicas=2, bucket_bytes=20000)),
+]
+
+
+@pytest.mark.parametrize("ckw,mpar,vpar,kw", TOPOS)
+def test_schedule_exact_cover_and_bytes(ckw, mpar, vpar, kw):
+    s = SyncSchedule(_cfg(**ckw), mpar, vpar, "local", **kw)
+    assert s.check() == []
+    st = s.stats()
+    for i, got in enumerate(st["recv_bytes"]):
+        assert got == _loader_bytes(s, i % vpar.world)  # each rollout rank receives exactly its shard
+    assert max(st["recv_bytes"]) == st["recv_min_possible"] < st["model_bytes"]
+    if "bucket_bytes" in kw:
+        by_hf = {}
+        for p in s.pieces:
+            by_hf.setdefault(p.hf, []).append(p)
+        single = max(max(s._unit_cost(ps).values()) for ps in by_hf.values())  # one HF tensor: its own bucket
+        assert st["buckets"] > 10 and st["bucket_peak_bytes"] <= max(kw["bucket_bytes"], single)
+
+
+def test_check_catches_a_missing_or_doubled_piece():
+    s = SyncSchedule(_cfg(), MegatronParallel.build(6, tp=2), VllmParallel(2), "local")
+    p = s.pieces.pop(7)
+    assert any("receives" in x for x in s.check())
+    s.pieces += [p, p]
+    assert any("multiply covered" in x for x in s.check())
+
+
+def test_sources_balanced_and_node_local():
+    # actor TP2 x DP2 on 4 ranks, 2 ranks per node: each node holds a full copy of the model
+    s = SyncSchedule(_cfg(), MegatronParallel.build(6, tp=2), VllmParallel(2), "local", actor_dp=2,
+                     rollout_replicas=2, ranks_per_node=2)
+    st = s.stats()
+    assert s.check() == [] and st["cross_node_bytes"] == 0
+    # one node, disjoint rollout: 4 holders per replicated tensor, sends spread evenly
+    s = SyncSchedule(_cfg(), MegatronParallel.build(6, tp=2), VllmParallel(4), "local", actor_dp=2,
+                     rollout_ranks=range(4, 8), ranks_per_node=8)
+    sent = s.stats()["sent_bytes"]
+    assert max(sent) <= 1.15 * min(sent), sent
+
+
+def test_fingerprint_and_errors():
+    cfg = _cfg()
+    a = SyncSchedule(cfg, MegatronParallel.build(6, tp=2), VllmParallel(2), "local")
+    assert a.fingerprint() == SyncSchedule(cfg, MegatronParallel.build(6, tp=2), VllmParallel(2), "local").fingerprint()
+    assert a.fingerprint() != SyncSchedule(cfg, MegatronParallel.build(6, tp=2), VllmParallel(1, 2), "local").fingerprint()
+    with pytest.raises(LayoutError, match="rollout_ranks has 3 ranks"):
+        SyncSchedule(cfg, MegatronParallel.build(6, tp=2), VllmParallel(2), "local", rollout_ranks=[0, 1, 2])
+    with pytest.raises(LayoutError, match="actor_ranks has 1 ranks"):
+        SyncSchedule(cfg, MegatronParallel.build(6, tp=2), VllmParallel(2), "local", actor_ranks=[0])
+
+
+def test_users_235b_job_plan():
+    """PP8 x TP4 x EP4 (11/12x6/11 stages, dense DP 4) on 128 ranks, colocated with 2 replicas of vLLM TP8 x DP8 EP64."""
+    cfg = load_config("qwen3-235b-a22b")
+    mpar = MegatronParallel.build(94, pp=8, tp=4, ep=4, first=11, last=11)
+    assert mpar.world == 128 and mpar.dp == 4 and mpar.edp == 1
+    s = SyncSchedule(cfg, mpar, VllmParallel(8, 8, True), "te", rollout_replicas=2, ranks_per_node=8)
+    st = s.stats()
+    assert s.rollout_ranks == list(range(128)) and s.describe().endswith("bfloat16") and "colocated" in s.describe()
+    assert set(st["recv_bytes"]) == {st["recv_min_possible"]} == {_loader_bytes(s, 0)}
+    assert st["recv_min_possible"] < st["model_bytes"] / 40  # each rank takes ~2% of the 470 GB
+    assert max(st["sent_bytes"]) <= 1.1 * min(st["sent_bytes"])
