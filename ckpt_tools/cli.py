@@ -109,7 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-gbps", type=float, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
                         "time (cp -r DIR X && sync) moves 2 x DIR's size (default 2.0)")
     p.add_argument("--vllm-tp", type=int, default=None, help="also plan vLLM shards at this TP")
-    p.add_argument("--vllm-ep", type=int, default=None, help="... with expert parallel of this size")
+    p.add_argument("--vllm-dp", type=int, default=None, help="vLLM data-parallel size (default 1)")
+    p.add_argument("--vllm-expert-parallel", action="store_true",
+                   help="vLLM expert parallel: EP = --vllm-tp x --vllm-dp, MoE layers at TP 1")
+    p.add_argument("--vllm-ep", type=int, default=None, help="shorthand: expert parallel of this size (= TP x DP; sets --vllm-dp)")
+    g = p.add_argument_group("weight sync (RL: the Megatron actor's live weights into the vLLM rollout)")
+    g.add_argument("--sync", action="store_true",
+                   help="plan the weight sync from the Megatron topology to the vLLM one (needs --vllm-tp): bytes per "
+                        "rollout and actor rank, bytes crossing nodes, messages and a predicted time, next to the "
+                        "verl-style method (every rank gathers every full tensor)")
+    g.add_argument("--rollout-replicas", type=int, default=None,
+                   help="vLLM instances, each receiving the full weights; colocated on the actor's ranks (verl's "
+                        "hybrid engine) (default: actor ranks / vLLM ranks, e.g. 128 / (TP8 x DP8) = 2)")
+    g.add_argument("--ranks-per-node", type=int, default=8, help="devices per node: ranks r and s share a node iff "
+                                                                    "r // N == s // N (default 8)")
+    g.add_argument("--intra-node-gbps", type=float, default=None,
+                   help="per-device intra-node bandwidth in GB/s, one direction (default 100: NVLink / HCCS class)")
+    g.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="per-device inter-node bandwidth in GB/s, one direction (default 25 = a 200 Gb/s NIC per device; "
+                        "50 for 400 Gb/s)")
+    g.add_argument("--latency-us", type=float, default=None,
+                   help="latency per point-to-point step of a collective and per bucket exchange, in us (default 30)")
+    g.add_argument("--bucket-size", type=parse_size, default="256MiB",
+                   help="bound on each rank's sync buffers per bucket (default 256MiB)")
     p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
 
     p = sub.add_parser("inspect", help="summarize a checkpoint dir (any format)")
@@ -140,6 +162,55 @@ def _dump(obj, path):
     elif path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1)
+
+
+def _plan_sync(args, cfg, par, vp, p):
+    import torch
+
+    from .layout import LayoutError
+    from .plan import INTER_GBPS, INTRA_GBPS, LATENCY_US, fmt_bytes, plan_sync
+    from .sync import SyncSchedule
+
+    reps = args.rollout_replicas
+    if reps is None:
+        reps = max(1, par.world // vp.world)
+    if vp.world * reps > par.world:
+        raise LayoutError(f"--rollout-replicas {reps} x {vp.describe()} needs {vp.world * reps} ranks but the "
+                          f"actor has {par.world}: plan --sync models the colocated layout (verl's hybrid engine)")
+    for flag, v in (("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps),
+                    ("--latency-us", args.latency_us)):
+        if v is not None and v <= 0:
+            raise LayoutError(f"{flag} must be > 0 (got {v})")
+    intra = args.intra_node_gbps or INTRA_GBPS
+    inter = args.inter_node_gbps or INTER_GBPS
+    lat = args.latency_us or LATENCY_US
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
+                     ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,
+                     vocab_size_divisible_by=args.vocab_div)
+    r = plan_sync(s, intra, inter, lat)
+    if r["problems"]:
+        raise LayoutError(f"sync schedule fails its own check: {r['problems'][0]}")
+    p["sync"] = r
+    o, b = r["ours"], r["baseline"]
+    nodes = -(-s.world // s.ranks_per_node)
+    print(f"weight sync: {r['describe']}; {s.world} ranks on {nodes} nodes x {s.ranks_per_node}, rollout ranks "
+          f"0..{len(s.rollout_ranks) - 1} ({reps} replica(s) of {vp.world}) on the actor's ranks")
+    print(f"assumed per device: {intra:g} GB/s intra-node, {inter:g} GB/s inter-node, {lat:g} us per step; "
+          f"buckets of {fmt_bytes(s.bucket_bytes)}")
+    mm = lambda xs: f"{fmt_bytes(min(xs))} .. {fmt_bytes(max(xs))}"  # noqa: E731
+    rows = [("bytes received per rollout rank", mm(o["recv_bytes"]), mm(b["recv_bytes"])),
+            ("  of which over the network", mm(o["recv_net_bytes"]), mm(b["recv_net_bytes"])),
+            ("bytes sent per actor rank", mm(o["sent_bytes"]), mm(b["sent_bytes"])),
+            ("bytes crossing nodes (all ranks)", fmt_bytes(o["cross_node_bytes"]), fmt_bytes(b["cross_node_bytes"])),
+            ("point-to-point messages", f"{o['messages']:,}", f"{b['messages']:,}"),
+            ("buckets / collectives", f"{o['buckets']:,} buckets", f"{b['collectives']:,} collectives"),
+            ("predicted time", f"{o['predicted_seconds']:.2f} s", f"{b['predicted_seconds']:.2f} s")]
+    print(f"{'':34} {'ckpt_tools.sync':>26} {'verl-style gather-all':>26}")
+    for name, x, y in rows:
+        print(f"{name:34} {x:>26} {y:>26}")
+    print(f"largest rollout shard {fmt_bytes(o['recv_min_possible'])} (bytes_ratio {r['bytes_ratio']:.3f}); "
+          f"whole model {fmt_bytes(o['model_bytes'])}; predicted speedup {r['predicted_speedup']:.1f}x")
 
 
 def _run(args) -> int:
@@ -199,7 +270,7 @@ def _run(args) -> int:
         return 0 if rep["ok"] else 1
     if args.cmd == "plan":
         from .convert import DTYPES, megatron_parallel
-        from .layout import VllmParallel
+        from .layout import LayoutError, VllmParallel
         from .plan import STARTUP_SECONDS, plan_megatron, plan_vllm
 
         cfg = load_config(args.config)
@@ -218,13 +289,25 @@ def _run(args) -> int:
               f"{p['predicted_seconds']:.0f} s ({p['predicted_seconds'] / 60:.1f} min; cp -r of the same bytes "
               f"{p['predicted_cp_seconds']:.0f} s, + ~{STARTUP_SECONDS:.0f} s start-up); mcore2hf and reshard "
               f"move the same bytes")
+        if args.sync and not args.vllm_tp:
+            raise LayoutError("--sync needs --vllm-tp (the rollout topology)")
         if args.vllm_tp:
             ep = args.vllm_ep
-            vp = VllmParallel(args.vllm_tp, (ep // args.vllm_tp) if ep else 1, bool(ep and ep > 1))
+            if ep:
+                if ep % args.vllm_tp or (args.vllm_dp and args.vllm_dp != ep // args.vllm_tp):
+                    raise LayoutError(f"--vllm-ep {ep} must equal --vllm-tp x --vllm-dp "
+                                      f"({args.vllm_tp} x {args.vllm_dp or ep / args.vllm_tp})")
+                vp = VllmParallel(args.vllm_tp, ep // args.vllm_tp, ep > 1)
+            else:
+                vp = VllmParallel(args.vllm_tp, args.vllm_dp or 1, args.vllm_expert_parallel)
+            if vp.dp < 1:
+                raise LayoutError(f"--vllm-dp must be >= 1 (got {vp.dp})")
             v = plan_vllm(cfg, vp, nbytes)
             p["vllm"] = v
             print(f"{v['layout']}: padded vocab {v['padded_vocab']}, per rank "
                   f"{fmt_bytes(min(x['bytes'] for x in v['ranks']))} .. {fmt_bytes(max(x['bytes'] for x in v['ranks']))}")
+        if args.sync:
+            _plan_sync(args, cfg, par, vp, p)
         _dump(p, args.json)
         return 0
     if args.cmd == "inspect":
