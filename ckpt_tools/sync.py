@@ -314,3 +314,316 @@ class SyncSchedule:
                  repr(self.vpar), self.actor_ranks, self.rollout_ranks, self.rollout_replicas,
                  self.ranks_per_node, str(self.dtype), self.bucket_bytes, self.mlayout.padded_vocab]
         return hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------- transport
+_SUMMARY_BYTES = 1024
+
+
+def local_chunks(megatron_model) -> dict:
+    """(key, global box) -> this rank's local tensor, from the live model chunk(s)' own
+    ``sharded_state_dict()`` (megatron/core/dist_checkpointing/mapping.py ShardedTensor: ``data`` is the
+    local tensor, ``global_offset`` its place in the global tensor, ``prepend_axis_num`` leading point axes
+    (layer, expert)); SwiGLU ``linear_fc1`` comes as a ShardedTensorFactory that megatron's own
+    ``apply_factories`` turns into its two chunks (megatron/core/transformer/mlp.py
+    apply_swiglu_sharded_factory: ``torch.chunk`` views, no copy)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    models = megatron_model if isinstance(megatron_model, (list, tuple)) else [megatron_model]
+    out = {}
+    for m in models:
+        sd = m.sharded_state_dict()
+        apply_factories(sd)
+        for v in nested_values(sd):
+            if not isinstance(v, ShardedTensor) or v.data is None or v.flattened_range is not None:
+                continue
+            n = v.prepend_axis_num
+            offs = tuple(v.global_offset)
+            box = tuple((o, o + 1) for o in offs[:n]) + tuple((o, o + s) for o, s in zip(offs[n:], v.data.shape))
+            out[(v.key, box)] = v.data
+    return out
+
+
+def _vllm_problems(schedule: SyncSchedule, model, local: int) -> str:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "hidden_size"):
+        c = schedule.cfg
+        for attr, want in (("hidden_size", c.hidden), ("num_hidden_layers", c.layers),
+                           ("num_attention_heads", c.heads), ("num_key_value_heads", c.kv_heads),
+                           ("vocab_size", c.vocab)):
+            got = getattr(cfg, attr, want)
+            if got != want:
+                return f"vLLM model has {attr} {got}, the schedule's model has {want}"
+        try:
+            from vllm.distributed import parallel_state as vps
+
+            if vps.model_parallel_is_initialized():
+                t, r = vps.get_tensor_model_parallel_world_size(), vps.get_tensor_model_parallel_rank()
+                if (t, r) != (schedule.vpar.tp, local % schedule.vpar.tp):
+                    return (f"vLLM runs TP{t} rank {r} here, the schedule plans {schedule.vpar.describe()} "
+                            f"rank {local % schedule.vpar.tp}")
+        except ImportError:
+            pass
+    return ""
+
+
+def _exchange_summaries(summary: dict, group, world: int, timeout_s: float) -> list[dict]:
+    """all-gather of a small fixed-size JSON per rank, with a monitored wait."""
+    import torch.distributed as dist
+
+    raw = json.dumps(summary).encode()[:_SUMMARY_BYTES]
+    t = torch.zeros(_SUMMARY_BYTES, dtype=torch.uint8)
+    t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    outs = [torch.zeros_like(t) for _ in range(world)]
+    work = dist.all_gather(outs, t, group=group, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
+        raise SyncError(f"weight sync refused: checking the schedule with the other ranks failed within "
+                        f"{timeout_s:g} s ({_one_line(e)}); vLLM weights not modified") from None
+    res = []
+    for o in outs:
+        b = bytes(o.tolist()).rstrip(b"\0")
+        try:
+            res.append(json.loads(b.decode()))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            res.append({"fp": "?", "desc": "unreadable", "problem": "summary truncated"})
+    return res
+
+
+def _one_line(e: BaseException) -> str:
+    s = " ".join(str(e).split())
+    return (s[:300] + "...") if len(s) > 300 else s
+
+
+def _rank_and_peer(group):
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if group is None:
+        return rank, world, (lambda r: r)
+    return rank, world, (lambda r: dist.get_global_rank(group, r))
+
+
+def _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout_s, need_chunks):
+    """Refuse a mismatched topology or model before any byte moves: every rank checks its own side, then
+    all ranks compare fingerprints and problems (one monitored all-gather)."""
+    problem, chunks = "", {}
+    if world < schedule.world:
+        problem = f"the group has {world} ranks, the schedule needs {schedule.world}"
+    is_actor, is_roll = rank in schedule.actor_ranks, rank in schedule.rollout_ranks
+    if not problem and is_actor:
+        if megatron_model is None:
+            problem = f"rank {rank} is an actor rank but got no Megatron model"
+        else:
+            chunks = local_chunks(megatron_model)
+            for key, box in need_chunks:
+                t = chunks.get((key, box))
+                if t is None:
+                    same = sorted(b for k, b in chunks if k == key)
+                    problem = (f"the Megatron model on rank {rank} has no chunk {key} {list(box)}"
+                               + (f" (it holds {[list(b) for b in same[:2]]})" if same else " (no such key)")
+                               + "; model or topology differs from the schedule")
+                    break
+    if not problem and is_roll:
+        if vllm_model is None:
+            problem = f"rank {rank} is a rollout rank but got no vLLM model"
+        else:
+            problem = _vllm_problems(schedule, vllm_model, schedule.rollout_ranks.index(rank) % schedule.vpar.world)
+    mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500]}
+    alls = _exchange_summaries(mine, group, world, timeout_s)
+    for r, s in enumerate(alls):
+        if s.get("problem"):
+            raise SyncError(f"weight sync refused before any transfer: rank {r}: {s['problem']}; vLLM weights not modified")
+    for r, s in enumerate(alls):
+        if s.get("fp") != mine["fp"]:
+            raise SyncError(f"weight sync refused before any transfer: rank {r} planned '{s.get('desc')}' "
+                            f"(fingerprint {s.get('fp')}) but rank {rank} planned '{mine['desc']}' "
+                            f"(fingerprint {mine['fp']}); vLLM weights not modified")
+    return chunks
+
+
+def _device_of(model, default="cpu"):
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device(default)
+
+
+def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None, timeout_s: float = 300.0, *,
+                 fill_value: float | None = None) -> dict:
+    """Push the actor's live weights into vLLM. Every rank of ``group`` calls this with its own models
+    (``megatron_model``: a GPTModel or list of model chunks on actor ranks, else None; ``vllm_model``: the
+    vLLM model object on rollout ranks, else None).
+
+    Steps: (1) refuse before any transfer if any rank's schedule fingerprint differs or its model does not
+    hold what the schedule expects (one-line :class:`SyncError` on every rank); (2) bucket by bucket, each
+    rank posts one send per receiver (its pieces, cast to ``schedule.dtype``, concatenated) and one receive
+    per sender with ``torch.distributed.batch_isend_irecv``, waits at most ``timeout_s`` for them, builds
+    full-shape HF tensors of this bucket (only the regions its vLLM loader reads are written; the rest is
+    ``torch.empty``, or ``fill_value`` for tests) and hands them to ``vllm_model.load_weights``. A failure
+    raises SyncError saying how many of this rank's tensors vLLM already took ("vLLM weights partially
+    updated: N of M tensors").
+
+    Returns this rank's counters: ``recv_bytes`` (its shard, self copies included), ``recv_net_bytes``,
+    ``sent_bytes``, ``local_bytes``, ``messages_sent``, ``messages_received``, ``buckets``,
+    ``tensors_delivered``, ``seconds``."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    rank, world, peer = _rank_and_peer(group)
+    need = {(p.key, p.chunk_box) for p in schedule.pieces if p.src == rank}
+    chunks = _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout_s, need)
+    dtype = schedule.dtype
+    rdev = _device_of(vllm_model)
+    mine_total = sum(len(schedule.needs_local[i % schedule.vpar.world]) for i, r in enumerate(schedule.rollout_ranks)
+                     if r == rank)
+    cnt = dict(recv_bytes=0, recv_net_bytes=0, sent_bytes=0, local_bytes=0, messages_sent=0, messages_received=0,
+               buckets=0, tensors_delivered=0, tensors_total=mine_total)
+    nb = len(schedule.buckets)
+
+    def src_view(p):
+        t = chunks[(p.key, p.chunk_box)]
+        sl = p.src_slice[len(p.chunk_box) - t.dim():]
+        return t[box_slices(sl)]
+
+    def fail(b, why):
+        d, m = cnt["tensors_delivered"], cnt["tensors_total"]
+        state = (f"vLLM weights partially updated: {d} of {m} tensors" if d else
+                 f"vLLM weights not modified (0 of {m} tensors)") if m else "this rank holds no vLLM weights"
+        return SyncError(f"weight sync failed in bucket {b + 1}/{nb} on rank {rank}: {why}; {state}")
+
+    for b, pieces in enumerate(schedule.pieces_by_bucket):
+        sends, recvs, selfs = defaultdict(list), defaultdict(list), []
+        for p in pieces:
+            if p.src == rank and p.dst == rank:
+                selfs.append(p)
+            elif p.src == rank:
+                sends[p.dst].append(p)
+            elif p.dst == rank:
+                recvs[p.src].append(p)
+        if not (sends or recvs or selfs):
+            continue
+        cnt["buckets"] += 1
+        ops, rbufs = [], {}
+        for dst, ps in sends.items():
+            buf = torch.cat([src_view(p).reshape(-1).to(dtype) for p in ps])
+            ops.append(dist.P2POp(dist.isend, buf, peer(dst), group, tag=b))
+            cnt["sent_bytes"] += buf.numel() * buf.element_size()
+            cnt["messages_sent"] += 1
+        for src, ps in recvs.items():
+            n = sum(box_numel(p.hf_box) for p in ps)
+            rbufs[src] = torch.empty(n, dtype=dtype, device=rdev)
+            ops.append(dist.P2POp(dist.irecv, rbufs[src], peer(src), group, tag=b))
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as e:  # noqa: BLE001
+            raise fail(b, f"posting transfers failed ({_one_line(e)})") from None
+        # while the transfers run: the full-shape HF tensors of this bucket and the self copies
+        full = {}
+        for p in selfs + [p for ps in recvs.values() for p in ps]:
+            if p.hf not in full:
+                shape = schedule.hf_shapes[p.hf]
+                full[p.hf] = (torch.full(shape, fill_value, dtype=dtype, device=rdev) if fill_value is not None
+                              else torch.empty(shape, dtype=dtype, device=rdev))
+        for p in selfs:
+            full[p.hf][box_slices(p.hf_box)].copy_(src_view(p).reshape(box_shape(p.hf_box)))
+            cnt["local_bytes"] += box_numel(p.hf_box) * schedule.elem
+        deadline = time.monotonic() + timeout_s
+        for w in works:
+            try:
+                left = max(0.001, deadline - time.monotonic())
+                if not w.wait(timeout=timedelta(seconds=left)):
+                    raise TimeoutError(f"no answer within {timeout_s:g} s")
+            except Exception as e:  # noqa: BLE001 - a dead or stalled peer
+                peers = sorted(set(sends) | set(recvs))
+                raise fail(b, f"transfer with rank(s) {peers} did not complete ({_one_line(e)})") from None
+        for src, ps in recvs.items():
+            off, buf = 0, rbufs[src]
+            for p in ps:
+                n = box_numel(p.hf_box)
+                full[p.hf][box_slices(p.hf_box)].copy_(buf[off:off + n].view(box_shape(p.hf_box)))
+                off += n
+            cnt["messages_received"] += 1
+            cnt["recv_net_bytes"] += off * schedule.elem
+        del rbufs, ops, works
+        if full:
+            if vllm_model is None:
+                raise fail(b, "pieces arrived for a rank without a vLLM model")
+            try:
+                vllm_model.load_weights(list(full.items()))
+            except Exception as e:  # noqa: BLE001
+                raise fail(b, f"vLLM load_weights raised {type(e).__name__}: {_one_line(e)}") from None
+            cnt["tensors_delivered"] += len(full)
+            cnt["recv_bytes"] += sum(box_numel(p.hf_box) for p in pieces if p.dst == rank) * schedule.elem
+        del full
+    cnt["seconds"] = time.perf_counter() - t0
+    return cnt
+
+
+def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
+                            timeout_s: float = 300.0) -> dict:
+    """The verl-style baseline (verl/utils/megatron_utils.py ``per_tensor_generator``): per HF tensor, every
+    rank of the group assembles the *full* tensor (each Megatron chunk broadcast from the rank that holds
+    it: the volume of verl's all-gather over TP / EP and broadcast over PP), then rollout ranks hand it to
+    ``load_weights`` and vLLM keeps its slice. Same counters as :func:`sync_weights`; ``recv_bytes`` is
+    the whole model on every rank."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    rank, world, peer = _rank_and_peer(group)
+    layout = schedule.mlayout
+    need = {(c.key, c.box) for c in layout.chunks() if schedule.actor_ranks[c.rank] == rank}
+    chunks = _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout_s, need)
+    dtype = schedule.dtype
+    rdev = _device_of(vllm_model)
+    chunks_of = defaultdict(list)  # (key, lead) -> chunks
+    for c in layout.chunks():
+        n = layout.nlead(c.key)
+        chunks_of[(c.key, tuple(x[0] for x in c.box[:n]))].append(c)
+    hf_index = layout.hf_index()
+    cnt = dict(recv_bytes=0, recv_net_bytes=0, sent_bytes=0, local_bytes=0, messages_sent=0, messages_received=0,
+               buckets=0, tensors_delivered=0, tensors_total=len(schedule.hf_shapes) if rank in schedule.rollout_ranks else 0)
+    is_roll = rank in schedule.rollout_ranks
+    for hf, shape in schedule.hf_shapes.items():
+        full = torch.empty(shape, dtype=dtype, device=rdev)
+        for seg in hf_index[hf]:
+            n = layout.nlead(seg.key)
+            for c in chunks_of[(seg.key, tuple(x[0] for x in seg.box[:n]))]:
+                inter = box_intersect(c.box, seg.box)
+                if inter is None:
+                    continue
+                owner = schedule.actor_ranks[c.rank]
+                hbox = seg.target_to_hf(inter)
+                if owner == rank:
+                    t = chunks[(c.key, c.box)]
+                    sl = box_shift(inter, [x[0] for x in c.box])[len(c.box) - t.dim():]
+                    buf = t[box_slices(sl)].to(device=rdev, dtype=dtype).contiguous().reshape(-1)
+                else:
+                    buf = torch.empty(box_numel(inter), dtype=dtype, device=rdev)
+                w = dist.broadcast(buf, peer(owner), group=group, async_op=True)
+                try:
+                    if not w.wait(timeout=timedelta(seconds=timeout_s)):
+                        raise TimeoutError(f"no answer within {timeout_s:g} s")
+                except Exception as e:  # noqa: BLE001
+                    d = cnt["tensors_delivered"]
+                    raise SyncError(f"gather-all sync failed on rank {rank} at {hf}: {_one_line(e)}; "
+                                    f"vLLM weights partially updated: {d} of {cnt['tensors_total']} tensors") from None
+                nbytes = buf.numel() * buf.element_size()
+                if owner == rank:
+                    cnt["sent_bytes"] += nbytes * (world - 1)
+                    cnt["messages_sent"] += world - 1
+                else:
+                    cnt["recv_net_bytes"] += nbytes
+                    cnt["messages_received"] += 1
+                full[box_slices(hbox)].copy_(buf.view(box_shape(hbox)))
+        cnt["recv_bytes"] += full.numel() * full.element_size()
+        cnt["buckets"] += 1
+        if is_roll:
+            vllm_model.load_weights([(hf, full)])
+            cnt["tensors_delivered"] += 1
+    cnt["seconds"] = time.perf_counter() - t0
+    return cnt
+
