@@ -46,6 +46,8 @@ def _add_io(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from converters import vllm_names
+
     ap = argparse.ArgumentParser(prog="ckpt-tools", description=__doc__, epilog=EPILOG)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -75,14 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
 
-    p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards")
+    p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> what vLLM loads with --load-format sharded_state")
     p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir")
     p.add_argument("--to", choices=["vllm"], default="vllm", help="target (vllm)")
-    p.add_argument("--out", required=True, help="output dir: rank_{r}/model.safetensors + vllm_layout.json + config")
+    p.add_argument("--out", required=True, help="output dir: model-rank-{r}-part-0.safetensors per TP rank (with --dp > 1 "
+                                                 "and expert parallel: one dir dp_{k} per DP rank), config + tokenizer "
+                                                 "files, vllm_layout.json; serve with vllm serve OUT --load-format "
+                                                 "sharded_state --tensor-parallel-size T")
     p.add_argument("--tp", type=int, required=True, help="vLLM tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="vLLM data-parallel size (default 1)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM expert parallel: EP = TP x DP, MoE TP 1")
     p.add_argument("--ep", type=int, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp)")
+    p.add_argument("--vllm-version", default=None,
+                   help="the vLLM that will load it, as vllm.__version__ prints it (its file and tensor names and "
+                        f"extra buffers differ by version); known: {', '.join(vllm_names.known())} "
+                        f"({vllm_names.USERS_VERSION} = the users' vLLM, commit 38217877); default: the installed "
+                        f"vLLM's version, else {vllm_names.USERS_VERSION}")
     p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
@@ -169,8 +179,11 @@ def _run(args) -> int:
         r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                             ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
                             overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory,
-                            direct_io=not args.buffered_io, io_threads=args.io_threads)
-        print(f"wrote {r['out']}: {r['layout']}, {r['ranks']} rank dirs, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+                            direct_io=not args.buffered_io, io_threads=args.io_threads,
+                            vllm_version=args.vllm_version)
+        where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
+        print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "
+              f"{fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "verify":
         from .verify import print_report, verify
@@ -240,7 +253,8 @@ def _run(args) -> int:
             probs = v.integrity()
             info["integrity"] = probs or "ok"
         if v.kind == "vllm":
-            info.update(layout=v.par.describe())
+            info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
+            info["integrity"] = v.integrity() or "ok"
         for k, val in info.items():
             print(f"{k:>12}: {val}")
         _dump(info, args.json)

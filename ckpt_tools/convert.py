@@ -15,7 +15,7 @@ from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
 from .progress import Progress
 from .torch_dist import write_torch_dist
-from .views import VLLM_META, FormatError, HFView, McoreView, open_view
+from .views import VLLM_META, FormatError, HFView, McoreView, open_view, vllm_shard_files
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SIDE_CAR = "ckpt_tools.json"
@@ -129,8 +129,17 @@ def open_source(path: str, hf_config: str | None, prefix=None):
 
 def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = False, ep: int | None = None,
             hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
-            max_memory=4 << 30, direct_io=True, io_threads=8) -> dict:
-    """Write vLLM per-rank shards ``out/rank_{r}/model.safetensors`` (+ config, vllm_layout.json)."""
+            max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None) -> dict:
+    """Write what vLLM ``vllm_version`` loads with ``load_format="sharded_state"``: one file per TP rank named
+    as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
+    checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
+    config/tokenizer files and ``vllm_layout.json``."""
+    from converters import vllm_names
+
+    try:
+        version, names = vllm_names.table(vllm_version)
+    except vllm_names.UnknownVersion as e:
+        raise LayoutError(str(e)) from None
     if ep is not None:
         if ep % tp:
             raise LayoutError(f"--ep ({ep}) must be a multiple of --tp ({tp}): vLLM's EP size is TP x DP")
@@ -140,12 +149,16 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         raise FormatError("--from must be an HF or a Megatron checkpoint")
     cfg = view.cfg
     par = VllmParallel(tp, dp, expert_parallel)
-    dst = VllmLayout(cfg, par)
+    dst = VllmLayout(cfg, par, names)
     if isinstance(view, McoreView):
         problems = view.integrity()
         if problems:
             raise FormatError(f"{src}: {problems[0]}")
     dt = _dtype(dtype, view.dtype or torch.bfloat16)
+    dp_dirs = par.dp > 1 and par.ep > 1  # DP ranks hold different experts: a directory per DP engine
+    files = vllm_shard_files(par, names, dp_dirs)
+    # one writer per file: without dp_dirs the DP ranks' files are the same (identical contents), written once
+    ranks = sorted({rel: r for r, rel in sorted(files.items(), reverse=True)}.values())
     tmp = _staging(out, overwrite)
     t0 = time.time()
     try:
@@ -153,14 +166,19 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
 
         hf_order = {n: i for i, n in enumerate(view.shapes)}
         writers, items = [], []
-        for r in range(par.world):
-            d = os.path.join(tmp, f"rank_{r}")
+        for r in ranks:
+            d = os.path.join(tmp, ".rank_%d" % r)  # HFShardWriter's own names here, renamed in finish
             os.makedirs(d)
-            w = HFShardWriter(d, [(n, ts.shape, dt) for n, ts in dst.ranks[r].items()], 1 << 62)
-            writers.append(w)
+            entries = [(n, ts.shape, dt) for n, ts in dst.ranks[r].items()]
+            entries += [(n, shape, getattr(torch, bdt)) for n, shape, bdt, _ in dst.buffers]
+            w = HFShardWriter(d, entries, 1 << 62)
+            for n, shape, bdt, value in dst.buffers:
+                w.write(n, torch.full(shape, value, dtype=getattr(torch, bdt)))
+            writers.append((r, d, w))
             for rec in w.records():
-                ts = dst.ranks[r][rec.what]
-                items.append((hf_order[ts.segments[0].hf] if ts.segments else -1, r, rec, ts))
+                ts = dst.ranks[r].get(rec.what)
+                if ts is not None:
+                    items.append((hf_order[ts.segments[0].hf] if ts.segments else -1, r, rec, ts))
         items.sort(key=lambda x: (x[0], x[1]))  # layer-major across ranks: a source region is read once
 
         def plan():  # lazy: each tensor's copy ops are worked out as the copy reaches it
@@ -179,22 +197,36 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         bar = Progress(total, "reshard", enabled=progress)
         stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads)
         bar.close()
-        for r, w in enumerate(writers):
-            w.finish()
-            os.remove(os.path.join(tmp, f"rank_{r}", "model.safetensors.index.json"))
         cfg_src = hf_config or src
-        copied = copy_side_files(cfg_src if os.path.isdir(cfg_src) else os.path.dirname(cfg_src), tmp)
-        if "config.json" not in copied:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(cfg.raw, f, indent=2)
+        side_dir = cfg_src if os.path.isdir(cfg_src) else os.path.dirname(cfg_src)
+        dirs = sorted({os.path.dirname(files[r]) for r in ranks})
+        for d in dirs:  # every directory vLLM is pointed at needs config.json (+ tokenizer files)
+            os.makedirs(os.path.join(tmp, d), exist_ok=True)
+            copied = copy_side_files(side_dir, os.path.join(tmp, d))
+            if "config.json" not in copied:
+                with open(os.path.join(tmp, d, "config.json"), "w") as f:
+                    json.dump(cfg.raw, f, indent=2)
+        if "" not in dirs:  # the top directory too (verify / inspect read the config there)
+            copied = copy_side_files(side_dir, tmp)
+            if "config.json" not in copied:
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump(cfg.raw, f, indent=2)
+        for r, d, w in writers:
+            w.finish()
+            os.replace(os.path.join(d, "model.safetensors"), os.path.join(tmp, files[r]))
+            shutil.rmtree(d)
         with open(os.path.join(tmp, VLLM_META), "w") as f:
-            json.dump({"tp": tp, "dp": dp, "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world,
+            json.dump({"format": "vllm sharded_state", "vllm_version": version, "tp": tp, "dp": dp,
+                       "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world, "dp_dirs": dp_dirs,
                        "padded_vocab": dst.padded_vocab, "dtype": str(dt), "source": os.path.abspath(src),
-                       "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp} for r in range(par.world)]},
+                       "serve": [f"vllm serve OUT{'/' + d if d else ''} --load-format sharded_state "
+                                 f"--tensor-parallel-size {tp}" for d in dirs],
+                       "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp, "file": files[r]}
+                                 for r in range(par.world)]},
                       f, indent=1)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out": out, "ranks": par.world, "bytes": total, "seconds": time.time() - t0,
-            "layout": par.describe(), "engine": stats}
+    return {"out": out, "ranks": par.world, "files": len(ranks), "dirs": dirs, "bytes": total,
+            "seconds": time.time() - t0, "layout": par.describe(), "vllm_version": version, "engine": stats}

@@ -215,7 +215,7 @@ class HFShardWriter:
             if fn not in self._fds:
                 self._fds[fn] = os.open(os.path.join(self.out_dir, fn + ".tmp"), os.O_WRONLY)
             fd = self._fds[fn]
-        buf = t.contiguous().view(torch.uint8).numpy() if t.numel() else b""
+        buf = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         pwrite_all(fd, memoryview(buf).cast('B') if len(buf) else b'', self.offset_of[name])
         with self._lock:
             self.written.add(name)

@@ -145,35 +145,87 @@ class McoreView:
         return out
 
 
+def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int, str]:
+    """Global rank (dp_rank * tp + tp_rank) -> file (relative to the output dir) holding its parameters.
+
+    vLLM's ShardedStateLoader names files by TP rank only (converters/vllm_names.py), so ranks of different DP
+    engines share a file unless ``dp_dirs`` (DP x expert parallel: their experts differ), which gives DP rank k
+    the directory ``dp_k``."""
+    from converters.vllm_names import file_name
+
+    out = {}
+    for r in range(par.world):
+        fn = file_name(names, r % par.tp)
+        out[r] = os.path.join(f"dp_{r // par.tp}", fn) if dp_dirs else fn
+    return out
+
+
 class VllmView:
+    """A ``reshard --to vllm`` output: vLLM ``load_format="sharded_state"`` files + ``vllm_layout.json``."""
+
     kind = "vllm"
 
     def __init__(self, path: str, cfg: ModelConfig | None = None):
+        from converters import vllm_names
+
         self.path = path
         mp = os.path.join(path, VLLM_META)
         if not os.path.isfile(mp):
             raise FormatError(f"{path}: no {VLLM_META} - not a ckpt-tools vLLM shard directory")
         with open(mp) as f:
             meta = json.load(f)
+        if "vllm_version" not in meta:
+            raise FormatError(f"{path}: written by an older ckpt-tools (rank_*/ layout); run reshard again")
+        self.meta = meta
+        self.version, self.names = vllm_names.table(meta["vllm_version"])
         self.cfg = cfg or load_config(os.path.join(path, "config.json"))
         self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
-        self.layout = VllmLayout(self.cfg, self.par)
+        self.layout = VllmLayout(self.cfg, self.par, self.names)
         self.shapes = hf_shapes(self.cfg)
-        self._handles = {}
-        for r in range(self.par.world):
-            fp = os.path.join(path, f"rank_{r}", "model.safetensors")
-            if not os.path.isfile(fp):
-                raise FormatError(f"{path}: missing shard {fp}")
-            try:
-                self._handles[r] = safe_open(fp, framework="pt")
-            except Exception as e:  # noqa: BLE001
-                raise FormatError(f"{fp}: unreadable ({e})") from None
+        self.files = vllm_shard_files(self.par, self.names, meta.get("dp_dirs", False))
+        self._handles, by_file = {}, {}
+        for r, rel in self.files.items():
+            fp = os.path.join(path, rel)
+            if fp not in by_file:
+                if not os.path.isfile(fp):
+                    raise FormatError(f"{path}: missing shard file {rel} (vLLM rank {r} loads it)")
+                try:
+                    by_file[fp] = safe_open(fp, framework="pt")
+                except Exception as e:  # noqa: BLE001
+                    raise FormatError(f"{fp}: unreadable ({e})") from None
+            self._handles[r] = by_file[fp]
+        problems = self._check_names()
+        if problems:
+            raise FormatError(f"{path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         self.dtype = None
         self.hf_index = {}
         for r, tensors in enumerate(self.layout.ranks):
             for ts in tensors.values():
                 for s in ts.segments:
                     self.hf_index.setdefault(s.hf, []).append((r, s))
+
+    def _check_names(self) -> list[str]:
+        """Every tensor vLLM's loader asks for, with its shape, and nothing else (it fails on either)."""
+        out = []
+        bufs = {b[0]: b for b in self.layout.buffers}
+        for r, tensors in enumerate(self.layout.ranks):
+            h = self._handles[r]
+            have, want = set(h.keys()), set(tensors) | set(bufs)
+            if have != want:
+                miss, extra = sorted(want - have), sorted(have - want)
+                what = (f"missing tensor {miss[0]}" + (f" (+{len(miss) - 1} more)" if len(miss) > 1 else "")
+                        if miss else f"unexpected tensor {extra[0]}")
+                out.append(f"{self.files[r]}: {what} (vLLM {self.version} needs exactly its state dict)")
+                continue
+            for name, ts in tensors.items():
+                shp = tuple(h.get_slice(name).get_shape())
+                if shp != ts.shape:
+                    out.append(f"{self.files[r]}: {name} has shape {list(shp)}, vLLM expects {list(ts.shape)}")
+            for name, (_, shape, _, _) in bufs.items():
+                shp = tuple(h.get_slice(name).get_shape())
+                if shp != tuple(shape):
+                    out.append(f"{self.files[r]}: {name} has shape {list(shp)}, vLLM expects {list(shape)}")
+        return out
 
     def names(self):
         return list(self.shapes)
@@ -200,18 +252,12 @@ class VllmView:
         return out
 
     def integrity(self) -> list[str]:
-        out = []
-        for r, tensors in enumerate(self.layout.ranks):
-            have = set(self._handles[r].keys())
-            want = set(tensors)
-            if have != want:
-                miss, extra = sorted(want - have), sorted(have - want)
-                out.append(f"rank {r}: missing {miss[:3]} extra {extra[:3]}")
-                continue
-            for name, ts in tensors.items():
-                shp = tuple(self._handles[r].get_slice(name).get_shape())
-                if shp != ts.shape:
-                    out.append(f"rank {r}: {name} has shape {list(shp)}, vLLM expects {list(ts.shape)}")
+        out = self._check_names()
+        for r in range(self.par.world):
+            for name, shape, dtype, value in self.layout.buffers:
+                t = self._handles[r].get_tensor(name)
+                if str(t.dtype) != "torch." + dtype or not torch.equal(t, torch.full(shape, value, dtype=t.dtype)):
+                    out.append(f"{self.files[r]}: {name} is {t.tolist()} ({t.dtype}), vLLM expects {value} ({dtype})")
         return out
 
 
