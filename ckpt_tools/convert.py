@@ -158,7 +158,10 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
     dp_dirs = par.dp > 1 and par.ep > 1  # DP ranks hold different experts: a directory per DP engine
     files = vllm_shard_files(par, names, dp_dirs)
     # one writer per file: without dp_dirs the DP ranks' files are the same (identical contents), written once
-    ranks = sorted({rel: r for r, rel in sorted(files.items(), reverse=True)}.values())
+    first = {}
+    for r, rel in sorted(files.items()):
+        first.setdefault(rel, r)
+    ranks = sorted(first.values())
     tmp = _staging(out, overwrite)
     t0 = time.time()
     try:
