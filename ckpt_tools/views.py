@@ -177,7 +177,10 @@ class VllmView:
         if "vllm_version" not in meta:
             raise FormatError(f"{path}: written by an older ckpt-tools (rank_*/ layout); run reshard again")
         self.meta = meta
-        self.version, self.names = vllm_names.table(meta["vllm_version"])
+        try:
+            self.version, self.names = vllm_names.table(meta["vllm_version"])
+        except vllm_names.UnknownVersion as e:
+            raise FormatError(f"{path}: {VLLM_META}: {e}") from None
         self.cfg = cfg or load_config(os.path.join(path, "config.json"))
         self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
         self.layout = VllmLayout(self.cfg, self.par, self.names)

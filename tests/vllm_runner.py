@@ -19,6 +19,7 @@ import sys
 
 
 def run_job(a, out, rank, captured):
+    import torch
     from vllm import LLM, SamplingParams
 
     tp, dp = a["tp"], a["dp"]
@@ -50,8 +51,6 @@ def main():
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
 
-    global torch
-    import torch
     import vllm.model_executor.model_loader.base_loader as base_loader
 
     captured = {}
