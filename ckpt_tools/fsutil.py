@@ -3,7 +3,7 @@
 * :func:`check_out` validates ``--out`` before any work: not empty, not a symlink or a file, its parent exists,
   not the current directory or one above it, not equal to / an ancestor of / inside any input (realpaths);
   an existing ``--out`` is replaced only with ``--overwrite`` and only when it is a checkpoint of the kind being
-  written (or one ckpt-tools wrote: its sidecar) or an empty directory.
+  written (for torch_dist also one ckpt-tools wrote: its sidecar) or an empty directory.
 * :func:`staging` takes a lock beside OUT (``OUT.lock``, ``flock``: one writer per OUT at a time; the kernel
   drops it when the process dies), removes stale ``OUT.partial-PID`` / ``OUT.old-PID`` dirs of dead
   processes (saying so on stderr), re-checks OUT and creates ``OUT.partial-PID``.
@@ -20,7 +20,9 @@ import fcntl
 import glob
 import os
 import shutil
+import signal
 import sys
+import threading
 
 
 class OutError(ValueError):
@@ -31,16 +33,13 @@ class BusyError(OSError):
     """Another run holds ``--out`` (exit 3)."""
 
 
-SIDECARS = ("ckpt_tools.json", "vllm_layout.json")
 KIND_NAMES = {"mcore": "Megatron torch_dist", "hf": "HF safetensors", "vllm": "ckpt-tools vLLM shard"}
 
 
 def _is_kind(path: str, kind: str) -> bool:
     names = set(os.listdir(path))
-    if names & set(SIDECARS):
-        return True
-    if kind == "mcore":
-        return "metadata.json" in names and ".metadata" in names
+    if kind == "mcore":  # megatron's own save, or ours (its sidecar)
+        return ("metadata.json" in names and ".metadata" in names) or "ckpt_tools.json" in names
     if kind == "hf":
         return "config.json" in names and any(n.endswith(".safetensors") for n in names)
     if kind == "vllm":
@@ -117,14 +116,17 @@ def _lock(out: str) -> tuple[str, int]:
                 holder = "?"
             os.close(fd)
             raise BusyError(errno.EBUSY, f"another ckpt-tools run (pid {holder or '?'}) is writing it (lock {lp})",
-                            out) from None
+                            f"--out {out}") from None
         try:  # the previous holder may have unlinked the file between our open and flock: lock the live one
             same = os.stat(lp).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            try:  # who holds it, for the message of a second run; not essential
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+            except OSError:
+                pass
             return lp, fd
         os.close(fd)
 
@@ -153,6 +155,10 @@ def remove_stale(out: str):
     for p in sorted(glob.glob(glob.escape(out) + ".partial-*") + glob.glob(glob.escape(out) + ".old-*")):
         tail = p.rsplit("-", 1)[-1]
         if not tail.isdigit() or int(tail) == os.getpid() or _pid_alive(int(tail)) or os.path.islink(p):
+            continue
+        if p.startswith(out + ".old-") and not os.path.lexists(out):  # died between publish's two renames
+            os.rename(p, out)
+            print(f"ckpt-tools: restored {out} from {p} (process {tail} died while replacing it)", file=sys.stderr)
             continue
         shutil.rmtree(p, ignore_errors=True)
         print(f"ckpt-tools: removed stale partial output {p} (process {tail} is not running)", file=sys.stderr)
@@ -203,6 +209,24 @@ def publish(tmp: str, out: str, error=OutError):
     and only if it still is what ``check_out`` accepted. Releases the lock."""
     lp, fd, _, overwrite, kind = _HELD.pop(tmp, (None, None, out, True, ""))
     out = _strip(out)
+    with _signals_deferred():  # the two renames are not split by SIGINT/SIGTERM/SIGHUP
+        _publish(tmp, out, error, overwrite, kind, lp, fd)
+
+
+class _signals_deferred:
+    SIGS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+    def __enter__(self):
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGS)
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.old)  # a pending signal is handled now
+
+
+def _publish(tmp, out, error, overwrite, kind, lp, fd):
     try:
         old = None
         if os.path.lexists(out):
@@ -217,13 +241,13 @@ def publish(tmp: str, out: str, error=OutError):
         try:
             _rename_noreplace(tmp, out)
         except OSError as e:
+            if old is not None and not os.path.lexists(out):
+                os.rename(old, out)  # put the user's directory back
+                old = None
             if e.errno != errno.EEXIST:
                 raise
             kept = f"{out}.conflict-{os.getpid()}"
             os.rename(tmp, kept)
-            if old is not None and not os.path.lexists(out):
-                os.rename(old, out)
-                old = None
             raise error(f"--out {out} appeared while this run was writing (another process?); it was not "
                         f"replaced; the new output is at {kept}") from None
         if old is not None:
