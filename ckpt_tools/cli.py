@@ -173,6 +173,9 @@ def main(argv=None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        for t in threading.enumerate():  # exiting while torch DCP imports in the background aborts (SIGABRT)
+            if t.name == "import-dcp":
+                t.join(timeout=120)
 
 
 def _dump(obj, path):
