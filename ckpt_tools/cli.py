@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import signal
 import sys
+import threading
 
 from .progress import parse_size
 
-EPILOG = "Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator."
+EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
+          "Exit codes: 0 ok; 1 verify found differences; 2 bad input or usage (one line naming the path or flag); "
+          "3 I/O or environment failure (disk full, read-only file system, permission, another run holding --out); "
+          "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP (partial output removed).")
 
 
 def _layers(s):
@@ -129,18 +135,57 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP (SLURM and Kubernetes preemption, a closed terminal), raised in the main thread like
+    SIGINT's KeyboardInterrupt, so every writer's cleanup (the OUT.partial-PID dir) runs the same way."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGHUP):  # a second one must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from .fsutil import OutError
+    from .model_config import ConfigError
+    from .safe_pickle import UnsafePickleError
     from .views import ERRORS
 
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, _on_signal)
     try:
         return _run(args)
-    except ERRORS as e:
+    except ERRORS + (ConfigError, OutError, UnsafePickleError) as e:
         print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:
+        print(f"ckpt-tools {args.cmd}: terminated by {signal.Signals(e.signum).name}; partial output removed",
+              file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("interrupted; partial output removed", file=sys.stderr)
         return 130
+    except OSError as e:  # ENOSPC, EROFS, EACCES, EIO, ...: the environment, not the input
+        out = getattr(args, "out", None)
+        where = e.filename if e.filename else (f"--out {out}" if out else args.cmd)
+        code = errno.errorcode.get(e.errno, "") if e.errno else ""
+        print(f"ckpt-tools {args.cmd}: error: {where}: {e.strerror or e}" + (f" ({code})" if code else ""),
+              file=sys.stderr)
+        return 3
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for t in threading.enumerate():  # exiting while torch DCP imports in the background aborts (SIGABRT)
+            if t.name == "import-dcp":
+                t.join(timeout=120)
 
 
 def _dump(obj, path):

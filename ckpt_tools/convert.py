@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .fsutil import publish, staging
+from .fsutil import check_out, discard, publish, staging
 from .hf import HFShardWriter, copy_side_files
 from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, boxes_disjoint_cover
 from .mapping import MegatronLayout, VllmLayout
@@ -29,11 +29,12 @@ def _dtype(name, default):
     return DTYPES[name]
 
 
-def _staging(out: str, overwrite: bool) -> str:
-    return staging(out, overwrite, FormatError)
+def _staging(out: str, overwrite: bool, kind: str = "", inputs: dict | None = None) -> str:
+    return staging(out, overwrite, FormatError, kind=kind, inputs=inputs)
 
 
-_publish = publish
+def _publish(tmp: str, out: str):
+    publish(tmp, out, FormatError)
 
 
 def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None):
@@ -44,6 +45,8 @@ def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, la
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
              vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8) -> dict:
+    inputs = {"--hf": hf}
+    check_out(out, "mcore", overwrite, inputs, FormatError)  # before any work
     cfg = load_config(hf)
     par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
@@ -51,7 +54,8 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     view = HFView(hf, cfg)
     dt = _dtype(dtype, view.dtype)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
-                           progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads)
+                           progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads,
+                           inputs=inputs)
     with open(os.path.join(out, SIDE_CAR), "w") as f:
         json.dump({"source": os.path.abspath(hf), "spec": spec, "dtype": str(dt), "pp": par.pp, "tp": par.tp,
                    "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage),
@@ -87,6 +91,8 @@ def _hf_items(view, records):
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
              overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8) -> dict:
+    inputs = {"--mcore": mcore, "--hf-config": hf_config}
+    check_out(out, "hf", overwrite, inputs, FormatError)  # before any work
     cfg = load_config(hf_config)
     view = McoreView(mcore, cfg, prefix=prefix, cache_bytes=max(64 << 20, max_memory // (4 * max(1, workers))))
     problems = view.integrity()
@@ -94,7 +100,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         raise FormatError(f"{mcore}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
     dt = _dtype(dtype, view.dtype or torch.bfloat16)
     names = view.names()
-    tmp = _staging(out, overwrite)
+    tmp = _staging(out, overwrite, "hf", inputs)
     t0 = time.time()
     try:
         writer = HFShardWriter(tmp, [(n, view.shapes[n], dt) for n in names], max_shard_size)
@@ -108,7 +114,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
                 json.dump(cfg.raw, f, indent=2)
         _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return {"out": out, "tensors": len(names), "bytes": index["metadata"]["total_size"],
             "shards": len(set(index["weight_map"].values())), "seconds": time.time() - t0,
@@ -134,6 +140,8 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
     as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
     checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
     config/tokenizer files and ``vllm_layout.json``."""
+    inputs = {"--from": src, "--hf-config": hf_config}
+    check_out(out, "vllm", overwrite, inputs, FormatError)  # before any work
     from converters import vllm_names
 
     try:
@@ -162,7 +170,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
     for r, rel in sorted(files.items()):
         first.setdefault(rel, r)
     ranks = sorted(first.values())
-    tmp = _staging(out, overwrite)
+    tmp = _staging(out, overwrite, "vllm", inputs)
     t0 = time.time()
     try:
         from .engine import Op
@@ -229,7 +237,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
                       f, indent=1)
         _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return {"out": out, "ranks": par.world, "files": len(ranks), "dirs": dirs, "bytes": total,
             "seconds": time.time() - t0, "layout": par.describe(), "vllm_version": version, "engine": stats}

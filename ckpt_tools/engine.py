@@ -597,8 +597,10 @@ class Engine:
         try:
             for t in threads:
                 t.join()
-        except BaseException:
+        except BaseException:  # SIGINT / SIGTERM in the main thread: the workers stop after their unit
             self._failed = True
+            for t in threads:  # before the caller removes the partial output they write into
+                t.join(timeout=120)
             raise
         if errors:
             raise errors[0]

@@ -21,22 +21,39 @@ class HFError(ValueError):
 
 
 class HFReader:
-    """Name -> (file, shape, dtype) from the safetensors headers; reads boxes without loading whole tensors."""
+    """Name -> (file, shape, dtype) from the safetensors headers; reads boxes without loading whole tensors.
+
+    With ``model.safetensors.index.json`` (what transformers loads by) each tensor is read from the file its
+    ``weight_map`` names; an entry outside the model directory (absolute, ``..``, a symlink leading out - except
+    a hub cache snapshot's links into its ``blobs``), a tensor stored in two files, a tensor of a shard the
+    index does not list, or a ``*.safetensors`` file beside the index that it does not name (a stale shard)
+    is an error. Without an index every ``*.safetensors`` file is read and a tensor in two files is an error."""
 
     def __init__(self, path: str):
         self.path = path
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            raise HFError(f"--hf {path} is a file: give the model directory that holds it (with config.json)")
         if not os.path.isdir(path):
             raise HFError(f"--hf {path}: not a directory")
         idx = os.path.join(path, INDEX)
+        present = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if os.path.isfile(idx):
             with open(idx) as f:
                 try:
                     wm = json.load(f)["weight_map"]
-                except (json.JSONDecodeError, KeyError) as e:
+                    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                        raise KeyError("weight_map is not a name -> file map")
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                     raise HFError(f"{idx}: not a valid safetensors index ({e})") from None
             files = sorted(set(wm.values()))
+            for fn in files:
+                self._inside(fn, idx)
+            stale = sorted(set(present) - {os.path.normpath(f) for f in files})
+            if stale:
+                raise HFError(f"{os.path.join(path, stale[0])}: not named by {INDEX} (a stale shard?); remove it "
+                              f"or add it to the index")
         else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            files = present
             wm = None
         if not files:
             raise HFError(f"{path}: no *.safetensors files")
@@ -48,18 +65,39 @@ class HFReader:
             fp = os.path.join(path, fn)
             if not os.path.isfile(fp):
                 raise HFError(f"{fp}: listed in {INDEX} but missing")
+            self._inside(fn, idx if wm is not None else path)
             try:
                 h = safe_open(fp, framework="pt")
             except (SafetensorError, OSError, Exception) as e:  # truncated / corrupt header
                 raise HFError(f"{fp}: cannot open safetensors file ({e}); is it truncated?") from None
             self._handles[fn] = h
             for k in h.keys():
+                if k in self.meta:
+                    raise HFError(f"{path}: tensor {k} is stored in two files, {self.meta[k][0]} and {fn}; "
+                                  f"which one is meant is ambiguous")
+                if wm is not None and wm.get(k) != fn:
+                    raise HFError(f"{fp}: holds {k}, which {INDEX} "
+                                  + (f"places in {wm[k]}" if k in wm else "does not list"))
                 sl = h.get_slice(k)
                 self.meta[k] = (fn, tuple(sl.get_shape()), _dtype(sl.get_dtype()))
         if wm is not None:
             for k, fn in wm.items():
                 if k not in self.meta:
                     raise HFError(f"{INDEX} lists {k} in {fn} but the file does not hold it")
+
+    def _inside(self, fn: str, where: str):
+        """``fn`` (an index entry or a file name) names a file inside the model directory."""
+        if os.path.isabs(fn) or os.path.normpath(fn).split(os.sep)[0] == "..":
+            raise HFError(f"{where}: refers to {fn}, outside the model directory {self.path}")
+        root = os.path.realpath(self.path)
+        real = os.path.realpath(os.path.join(self.path, fn))
+        if real.startswith(root + os.sep):
+            return
+        # the HF hub cache: snapshots/<rev>/<file> are symlinks to ../../blobs/<hash> of the same repo
+        repo = os.path.dirname(os.path.dirname(root))
+        if os.path.basename(os.path.dirname(root)) == "snapshots" and real.startswith(os.path.join(repo, "blobs") + os.sep):
+            return
+        raise HFError(f"{os.path.join(self.path, fn)}: resolves to {real}, outside the model directory {self.path}")
 
     def keys(self):
         return self.meta.keys()

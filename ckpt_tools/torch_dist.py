@@ -24,7 +24,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from .fsutil import publish, staging
+from .fsutil import check_out, discard, publish, staging
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
 from .progress import Progress
 
@@ -137,7 +137,7 @@ def chunk_pieces(layout, chunk):
 
 def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
                      max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
-                     direct_io: bool = True, io_threads: int = 8) -> dict:
+                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None) -> dict:
     """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
 
     ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
@@ -147,9 +147,8 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
     ``.metadata`` is complete. Returns a summary dict."""
     from .engine import EngineError, Op, Rec, map_sub, run_copy
 
+    check_out(out_dir, "mcore", overwrite, inputs, DistCkptError)  # before any work
     dcp_background()
-    if os.path.exists(out_dir) and not overwrite:
-        raise DistCkptError(f"--out {out_dir} exists; pass --overwrite to replace it")
     chunks = layout.chunks()  # validates the topology before anything is written
     itemsize = torch.empty((), dtype=dtype).element_size()
     # processing order = source order: by where the first HF tensor of the chunk's (key, layer[, expert])
@@ -168,7 +167,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         by_rank_objs[layout.object_owner(shape, offset)].append((key, shape, offset))
     ranks = sorted({c.rank for c in chunks} | set(by_rank_objs))
     fname = {r: f"__{r}_0.distcp" for r in ranks}
-    tmp = staging(out_dir, overwrite, DistCkptError)
+    tmp = staging(out_dir, overwrite, DistCkptError, kind="mcore", inputs=inputs)
     # the whole file layout, fixed up front: chunk records in processing order, then the _extra_state objects
     pos = defaultdict(int)
     storage = {}
@@ -238,10 +237,10 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         with open(os.path.join(tmp, ".metadata"), "wb") as f:
             pickle.dump(md, f)
             os.fsync(f.fileno())
-        publish(tmp, out_dir)
+        publish(tmp, out_dir, DistCkptError)
     except BaseException:
         bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     dt = time.time() - t0
     return {"out": out_dir, "files": len(ranks), "chunks": len(chunks), "objects": len(layout.objects),
@@ -250,7 +249,8 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
 
 # -------------------------------------------------------------------------------------------- reader
 class TorchDistReader:
-    """Reads any megatron-core torch_dist checkpoint: ``.metadata`` via torch's FileSystemReader, chunk
+    """Reads any megatron-core torch_dist checkpoint: ``.metadata`` with the allow-list unpickler
+    (:mod:`ckpt_tools.safe_pickle`; torch's FileSystemReader would run any code in it), chunk
     bytes by (file, offset, length). ``prefix`` is auto-detected (``model.`` in verl training checkpoints)."""
 
     def __init__(self, path: str, prefix: str | None = None, cache_bytes: int = 1 << 30):
@@ -268,12 +268,17 @@ class TorchDistReader:
         if backend != "torch_dist":
             raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
         m = dcp()
-        FileSystemReader, Metadata, TensorStorageMetadata = m.FileSystemReader, m.Metadata, m.TensorStorageMetadata
+        Metadata, TensorStorageMetadata = m.Metadata, m.TensorStorageMetadata
+        from .safe_pickle import UnsafePickleError, load_metadata
 
-        try:
-            md = FileSystemReader(path).read_metadata()
-        except FileNotFoundError:
+        try:  # torch's FileSystemReader.read_metadata is a plain pickle.load: allow-list unpickler instead
+            md = load_metadata(os.path.join(path, ".metadata"))
+        except (FileNotFoundError, IsADirectoryError):
             raise DistCkptError(f"{path}: no .metadata file") from None
+        except UnsafePickleError as e:
+            raise DistCkptError(str(e)) from None
+        except OSError:
+            raise  # I/O failure, not bad input (exit 3)
         except Exception as e:  # noqa: BLE001 - unpickling a corrupted file raises anything
             raise DistCkptError(f"{path}/.metadata: corrupted or unreadable ({type(e).__name__}: {e})") from None
         if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):

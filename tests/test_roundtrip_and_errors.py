@@ -182,6 +182,12 @@ def test_existing_output_needs_overwrite(tiny_hf, tmp_path, capsys):
     rc = cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress"])
     assert rc == 2 and "--overwrite" in capsys.readouterr().err
     assert os.listdir(out) == ["keep"]
+    # issue 11: --overwrite replaces only a checkpoint of the kind being written, never a dir of other files
+    assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 2
+    assert "not a Megatron torch_dist checkpoint" in capsys.readouterr().err and os.listdir(out) == ["keep"]
+    shutil.rmtree(out)
+    assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress"]) == 0
+    open(os.path.join(out, "keep"), "w").write("x")  # a file added to a checkpoint goes with it
     assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 0
     assert "keep" not in os.listdir(out) and ".metadata" in os.listdir(out)
 
