@@ -10,6 +10,7 @@ import torch
 
 from .fsutil import publish, staging
 from .hf import HFShardWriter, copy_side_files
+from .integrity import write_manifest
 from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, boxes_disjoint_cover
 from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
@@ -60,12 +61,12 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     return res
 
 
-def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8):
+def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8, hashes=None):
     from .engine import EngineError, run_copy
 
     try:
         return run_copy(items, workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
-                        io_threads=io_threads)
+                        io_threads=io_threads, hashes=hashes)
     except EngineError as e:
         raise FormatError(str(e)) from None
 
@@ -99,13 +100,15 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     try:
         writer = HFShardWriter(tmp, [(n, view.shapes[n], dt) for n in names], max_shard_size)
         bar = Progress(writer.total, "mcore2hf", enabled=progress)
-        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads)
+        hashes = []
+        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads, hashes)
         bar.close()
         index = writer.finish()
         copied = copy_side_files(hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config), tmp)
         if "config.json" not in copied:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(cfg.raw, f, indent=2)
+        write_manifest(tmp, hashes)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,7 +180,8 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
 
         total = sum(x[2].nbytes for x in items)
         bar = Progress(total, "reshard", enabled=progress)
-        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads)
+        hashes = []
+        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads, hashes)
         bar.close()
         for r, w in enumerate(writers):
             w.finish()
@@ -192,6 +196,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
                        "padded_vocab": dst.padded_vocab, "dtype": str(dt), "source": os.path.abspath(src),
                        "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp} for r in range(par.world)]},
                       f, indent=1)
+        write_manifest(tmp, hashes)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ from collections import OrderedDict, defaultdict
 import torch
 
 from .fsutil import publish, staging
+from .integrity import write_manifest
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
 from .progress import Progress
 
@@ -209,8 +210,9 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
                     f.seek(pos[r] - len(obj_payload) * len(blobs[r]))
                     f.write(b"".join(blobs[r]))
         try:
+            hashes = []
             stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
-                             io_threads=io_threads)
+                             io_threads=io_threads, hashes=hashes)
         except EngineError as e:
             raise DistCkptError(str(e)) from None
         bar.close()
@@ -238,6 +240,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         with open(os.path.join(tmp, ".metadata"), "wb") as f:
             pickle.dump(md, f)
             os.fsync(f.fileno())
+        write_manifest(tmp, hashes)
         publish(tmp, out_dir)
     except BaseException:
         bar.close()
