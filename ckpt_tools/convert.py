@@ -16,7 +16,7 @@ from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
 from .progress import Progress
 from .torch_dist import write_torch_dist
-from .views import VLLM_META, FormatError, HFView, McoreView, open_view
+from .views import VLLM_META, FormatError, HFView, McoreView, open_view, widest
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SIDE_CAR = "ckpt_tools.json"
@@ -50,15 +50,28 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
     view = HFView(hf, cfg)
-    dt = _dtype(dtype, view.dtype)
+    dt = _dtype(dtype, None)
+    if dt is None:  # default: each key in the dtype its HF tensors are stored in (fp32 norms stay fp32)
+        srcs = {}
+        for (key, _), segs in layout.segment_index().items():
+            srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
+        key_dt = {k: widest(v) for k, v in srcs.items()}
+        dt = key_dt.__getitem__
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
                            progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads)
     with open(os.path.join(out, SIDE_CAR), "w") as f:
-        json.dump({"source": os.path.abspath(hf), "spec": spec, "dtype": str(dt), "pp": par.pp, "tp": par.tp,
+        json.dump({"source": os.path.abspath(hf), "spec": spec, "dtype": _dt_name(dt, layout.tensors), "pp": par.pp, "tp": par.tp,
                    "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage),
                    "world": par.world, "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}, f, indent=1)
-    res.update(topology=par.describe(), spec=spec, dtype=str(dt))
+    res.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
     return res
+
+
+def _dt_name(dt, keys) -> str:
+    """'torch.bfloat16', or for per-tensor dtypes the set, e.g. 'torch.bfloat16+torch.float32'."""
+    if not callable(dt):
+        return str(dt)
+    return "+".join(sorted({str(dt(k)) for k in keys}))
 
 
 def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8, hashes=None):
@@ -93,12 +106,13 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     problems = view.integrity()
     if problems:
         raise FormatError(f"{mcore}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-    dt = _dtype(dtype, view.dtype or torch.bfloat16)
+    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
     names = view.names()
+    dts = {n: dt or view.dtype_of(n) for n in names}
     tmp = _staging(out, overwrite)
     t0 = time.time()
     try:
-        writer = HFShardWriter(tmp, [(n, view.shapes[n], dt) for n in names], max_shard_size)
+        writer = HFShardWriter(tmp, [(n, view.shapes[n], dts[n]) for n in names], max_shard_size)
         bar = Progress(writer.total, "mcore2hf", enabled=progress)
         hashes = []
         stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads, hashes)
@@ -115,7 +129,8 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         raise
     return {"out": out, "tensors": len(names), "bytes": index["metadata"]["total_size"],
             "shards": len(set(index["weight_map"].values())), "seconds": time.time() - t0,
-            "spec": view.spec, "prefix": view.ckpt.prefix, "dtype": str(dt), "engine": stats}
+            "spec": view.spec, "prefix": view.ckpt.prefix, "dtype": "+".join(sorted(set(map(str, dts.values())))),
+            "engine": stats}
 
 
 def _numel(shape):
@@ -148,7 +163,11 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         problems = view.integrity()
         if problems:
             raise FormatError(f"{src}: {problems[0]}")
-    dt = _dtype(dtype, view.dtype or torch.bfloat16)
+    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype (fused tensors: the widest of their parts)
+
+    def dt_of(ts):
+        return dt or widest(view.dtype_of(sg.hf) for sg in ts.segments) or torch.bfloat16
+
     tmp = _staging(out, overwrite)
     t0 = time.time()
     try:
@@ -159,7 +178,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         for r in range(par.world):
             d = os.path.join(tmp, f"rank_{r}")
             os.makedirs(d)
-            w = HFShardWriter(d, [(n, ts.shape, dt) for n, ts in dst.ranks[r].items()], 1 << 62)
+            w = HFShardWriter(d, [(n, ts.shape, dt_of(ts)) for n, ts in dst.ranks[r].items()], 1 << 62)
             writers.append(w)
             for rec in w.records():
                 ts = dst.ranks[r][rec.what]
@@ -193,7 +212,9 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
                 json.dump(cfg.raw, f, indent=2)
         with open(os.path.join(tmp, VLLM_META), "w") as f:
             json.dump({"tp": tp, "dp": dp, "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world,
-                       "padded_vocab": dst.padded_vocab, "dtype": str(dt), "source": os.path.abspath(src),
+                       "padded_vocab": dst.padded_vocab,
+                       "dtype": "+".join(sorted({str(dt_of(ts)) for rk in dst.ranks for ts in rk.values()})),
+                       "source": os.path.abspath(src),
                        "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp} for r in range(par.world)]},
                       f, indent=1)
         write_manifest(tmp, hashes)

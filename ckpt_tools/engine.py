@@ -134,6 +134,39 @@ def row_blocks(shape, itemsize: int, max_bytes: int) -> list[Box]:
     return [pre + ((r, min(r + step, shape[k])),) + post for r in range(0, shape[k], step)]
 
 
+def read_rec_box(rec: Rec, box: Box | None = None, fd: int | None = None) -> torch.Tensor:
+    """Read ``box`` of source record ``rec`` with ``preadv`` (no mmap): only the contiguous span holding the
+    box (whole rows below its first non-point dim) is read, so memory follows the box, not the file."""
+    shape = tuple(rec.shape)
+    box = full_box(shape) if box is None else tuple(box)
+    isz = rec.dtype.itemsize
+    if shape:
+        sb = span_box(shape, box)
+        st, n = contiguous_span(shape, sb)
+    else:
+        sb, st, n = (), 0, 1
+    buf = np.empty(n * isz, np.uint8)
+    own = fd is None
+    if own:
+        try:
+            fd = os.open(rec.path, os.O_RDONLY)
+        except OSError as e:
+            raise EngineError(f"{rec.path}: cannot open ({e.strerror})") from None
+    try:
+        mv, done, off = memoryview(buf), 0, rec.offset + st * isz
+        while done < len(buf):
+            k = os.preadv(fd, [mv[done:]], off + done)
+            if k <= 0:
+                raise EngineError(f"{rec.path}: truncated: {rec.what or 'tensor'} needs bytes up to "
+                                  f"{off + len(buf)}, file ends at {os.fstat(fd).st_size}")
+            done += k
+    finally:
+        if own:
+            os.close(fd)
+    t = torch.from_numpy(buf).view(rec.dtype).view(box_shape(sb))
+    return t[box_slices(box_shift(box, [x[0] for x in sb]))] if sb != box else t
+
+
 # ------------------------------------------------------------------------------------------ planning
 @dataclass(eq=False)
 class Block:

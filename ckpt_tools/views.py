@@ -10,7 +10,6 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
 
 from .hf import HFError, HFReader
 from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
@@ -29,6 +28,18 @@ def _full(shape, box):
     return box if box is not None else full_box(shape)
 
 
+def widest(dtypes) -> torch.dtype | None:
+    """The dtype that holds every one of ``dtypes`` exactly: the one dtype when they agree, else the widest
+    (bf16 with fp16: fp32). None for none."""
+    ds = set(dtypes)
+    if len(ds) <= 1:
+        return ds.pop() if ds else None
+    top = max(ds, key=lambda d: d.itemsize)
+    if any(d.itemsize == top.itemsize and d != top for d in ds) and top.is_floating_point:
+        return torch.float64 if top.itemsize >= 4 else torch.float32
+    return top
+
+
 class HFView:
     kind = "hf"
 
@@ -37,10 +48,13 @@ class HFView:
         self.cfg = cfg or load_config(path)
         self.reader = HFReader(path)
         self.shapes = hf_shapes(self.cfg)
-        self.dtype = self.reader.validate(self.shapes)
+        self.dtype = self.reader.validate(self.shapes)  # None when the tensors' dtypes differ
 
     def names(self):
         return list(self.shapes)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.reader.dtype(name)
 
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
         return self.reader.read(name, box)
@@ -91,11 +105,15 @@ class McoreView:
             raise FormatError(f"{path}: checkpoint holds model tensors the HF config does not explain, e.g. "
                               f"{self.extra_keys[0]} - another model or a mismatched --hf-config?")
         dts = {self.ckpt.dtype(k) for k in self.layout.tensors}
-        self.dtype = dts.pop() if len(dts) == 1 else None
+        self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
 
     def names(self):
         return list(self.shapes)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The stored dtype of HF tensor ``name`` (of the Megatron key(s) holding it)."""
+        return widest(self.ckpt.dtype(seg.key) for seg in self.hf_index[name])
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         shp = self.shapes[name]
@@ -159,14 +177,14 @@ class VllmView:
         self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
         self.layout = VllmLayout(self.cfg, self.par)
         self.shapes = hf_shapes(self.cfg)
-        self._handles = {}
+        self.readers = {}
         for r in range(self.par.world):
             fp = os.path.join(path, f"rank_{r}", "model.safetensors")
             if not os.path.isfile(fp):
                 raise FormatError(f"{path}: missing shard {fp}")
             try:
-                self._handles[r] = safe_open(fp, framework="pt")
-            except Exception as e:  # noqa: BLE001
+                self.readers[r] = HFReader(os.path.dirname(fp))
+            except HFError as e:
                 raise FormatError(f"{fp}: unreadable ({e})") from None
         self.dtype = None
         self.hf_index = {}
@@ -178,8 +196,11 @@ class VllmView:
     def names(self):
         return list(self.shapes)
 
-    def rank_tensor(self, r: int, name: str) -> torch.Tensor:
-        return self._handles[r].get_tensor(name)
+    def rank_tensor(self, r: int, name: str, box: Box | None = None) -> torch.Tensor:
+        return self.readers[r].read(name, box)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return widest(self.readers[r].dtype(seg.key) for r, seg in self.hf_index[name])
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         """First copy of each region (replicated regions are compared rank by rank in verify)."""
@@ -190,9 +211,7 @@ class VllmView:
             sub = box_intersect(seg.hf_box, box)
             if sub is None or any(box_intersect(sub, c) == sub for c in covered):
                 continue
-            sl = self._handles[r].get_slice(seg.key)
-            tb = seg.hf_to_target(sub)
-            data = sl[box_slices(tb)]
+            data = self.readers[r].read(seg.key, seg.hf_to_target(sub))
             if out is None:
                 out = torch.empty(box_shape(box), dtype=dtype or data.dtype)
             out[box_slices(box_shift(sub, [b[0] for b in box]))].copy_(data.reshape(box_shape(sub)))
@@ -202,14 +221,14 @@ class VllmView:
     def integrity(self) -> list[str]:
         out = []
         for r, tensors in enumerate(self.layout.ranks):
-            have = set(self._handles[r].keys())
+            have = set(self.readers[r].keys())
             want = set(tensors)
             if have != want:
                 miss, extra = sorted(want - have), sorted(have - want)
                 out.append(f"rank {r}: missing {miss[:3]} extra {extra[:3]}")
                 continue
             for name, ts in tensors.items():
-                shp = tuple(self._handles[r].get_slice(name).get_shape())
+                shp = tuple(self.readers[r].shape(name))
                 if shp != ts.shape:
                     out.append(f"rank {r}: {name} has shape {list(shp)}, vLLM expects {list(ts.shape)}")
         return out
