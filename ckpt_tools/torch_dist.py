@@ -475,8 +475,8 @@ class TorchDistReader:
         """(data offset in the record, header bytes before it) or (0, None) when the record is not a plain
         little-endian contiguous dump of the chunk. A record above ``ANALYSE_MAX`` bytes is parsed through a
         window on the file: torch's zip reader reads only the headers and central directory, and torch.load
-        under FakeTensorMode builds the tensor's metadata without reading its storage (memory stays small
-        whatever the chunk size)."""
+        under ``torch.serialization.skip_data()`` builds the tensor without reading its storage (allocated,
+        never touched: resident memory stays small whatever the chunk size)."""
         if si.length > self.ANALYSE_MAX:
             return self._analyse_lazy(key, cbox, si, dt)
         raw = self._read_record(key, si)
@@ -501,8 +501,6 @@ class TorchDistReader:
         return off, bytes(raw[:off])
 
     def _analyse_lazy(self, key, cbox, si, dt):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         fp = os.path.join(self.path, si.relative_path)
         if os.path.getsize(fp) < si.offset + si.length:
             raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
@@ -511,8 +509,8 @@ class TorchDistReader:
                 zr = torch._C.PyTorchFileReader(_Window(f, si.offset, si.length))
                 names = zr.get_all_records()
                 data = [n for n in names if n.startswith("data/")]
-                with FakeTensorMode():
-                    t = torch.load(_Window(f, si.offset, si.length), weights_only=True)
+                with torch.serialization.skip_data():  # storage allocated, never read nor touched
+                    t = torch.load(_Window(f, si.offset, si.length), weights_only=True, map_location="cpu")
                 order = bytes(zr.get_record("byteorder")) if "byteorder" in names else b"little"
                 off = zr.get_record_offset(data[0]) if len(data) == 1 else None
             except Exception as e:  # noqa: BLE001
