@@ -381,7 +381,7 @@ class Engine:
         self._failed = False
         self.stats = {"copy_file_range_bytes": 0, "bounce_bytes": 0, "direct_read_bytes": 0, "staged_bytes": 0,
                       "arena_peak_bytes": 0, "direct_write_bytes": 0, "direct_read_span_bytes": 0,
-                      "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "slow_records": 0,
+                      "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "t_hash": 0.0, "slow_records": 0,
                       "units": 0, "blocks": 0}
         self._stats_lock = threading.Lock()
 
@@ -827,12 +827,15 @@ class Engine:
                 sv = full[box_slices(box_shift(sb, [x[0] for x in bx]))]
             dv = self._block_view(arena, offs, b, views)[box_slices(local)]
             dv.copy_(sv.reshape(dv.shape))
+        t3 = time.perf_counter()
+        self._count("t_copy", t3 - t2)
         if block_hashes:  # the block's final bytes, as they are about to be written (xxh3: ~15 GB/s)
             done = [(p, boff, n, hash_bytes(anp[o:o + n]), what) for p, boff, o, n, what in block_hashes]
             self.hashes.extend(done)
-        t3 = time.perf_counter()
+            th = time.perf_counter()
+            self._count("t_hash", th - t3)
+            t3 = th
         self._run_io([t for fd, off, bufs, n in _merge(writes) for t in self._write_tasks(fd, off, bufs, n)])
-        self._count("t_copy", t3 - t2)
         self._count("t_write", time.perf_counter() - t3)
         for b in unit.blocks:
             if b.cfr:

@@ -110,7 +110,7 @@ class HFReader:
         if extra:
             raise HFError(f"{self.path}: unexpected tensor {extra[0]} (not in the {len(expected)} the config implies)")
         dts = {self.meta[k][2] for k in expected}
-        # A truncated data section is caught by safe_open (header vs file size); double-check sizes.
+        # A truncated data section is caught at open (_read_header(check=True)); double-check sizes.
         for fn in self.files:
             fp = os.path.join(self.path, fn)
             base, hdr = _read_header(fp)
