@@ -40,6 +40,7 @@ class HFReader:
         if not files:
             raise HFError(f"{path}: no *.safetensors files")
         self._records = None
+        self._fds: dict = {}  # path -> read fd, opened on first read
         self.files = files
         self.meta: dict[str, tuple[str, tuple, torch.dtype]] = {}
         recs = {}
@@ -81,10 +82,28 @@ class HFReader:
         reads fine; memory follows the box)."""
         from .engine import EngineError, read_rec_box
 
+        rec = self.records()[name]
+        fd = self._fds.get(rec.path)
+        if fd is None:
+            try:
+                fd = self._fds.setdefault(rec.path, os.open(rec.path, os.O_RDONLY))
+            except OSError as e:
+                raise HFError(f"{rec.path}: cannot open ({e.strerror})") from None
         try:
-            return read_rec_box(self.records()[name], box)
+            return read_rec_box(rec, box, fd)
         except EngineError as e:
             raise HFError(str(e)) from None
+
+    def close(self):
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def records(self) -> dict:
         """Name -> engine :class:`~ckpt_tools.engine.Rec` (file, absolute data offset, shape, dtype), from the

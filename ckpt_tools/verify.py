@@ -12,7 +12,7 @@ import torch
 
 from .engine import row_blocks
 from .integrity import MANIFEST, check_manifest, check_sizes, load_manifest
-from .layout import box_shape, box_shift
+from .layout import box_shape, box_shift, box_slices
 from .views import VllmView
 
 # bytes of working memory per compared element: both sides' read buffers and assembled copies, a cast of
@@ -69,6 +69,13 @@ class _Cmp:
             self.max_abs = max(self.max_abs, float((x.float() - y.float()).abs().max()))
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def _blocks(box, itemsize_hint: int, max_memory: int):
     """Row blocks of ``box`` (absolute boxes) holding about ``max_memory / BYTES_PER_ELEMENT`` elements."""
     shp = box_shape(box)
@@ -98,6 +105,9 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
             dv = vl.readers[r].dtype(n)
             row = {"tensor": f"rank{r}:{n}", "shape": list(ts.shape), "dtype": str(dv)}
             cmps = []
+            whole = None  # a rank tensor within the budget is read once, its segments sliced from it
+            if _numel(ts.shape) <= max_memory // BYTES_PER_ELEMENT:
+                whole = vl.rank_tensor(r, n)
             for seg in ts.segments:
                 do = other.dtype_of(seg.hf)
                 c = _Cmp(do, dv, allow_cast)
@@ -106,12 +116,14 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
                     continue
                 for sub in _blocks(seg.hf_box, 4, max_memory):
                     want = other.read(seg.hf, sub)
-                    got = vl.rank_tensor(r, n, seg.hf_to_target(sub)).reshape(want.shape)
+                    tb = seg.hf_to_target(sub)
+                    got = (whole[box_slices(tb)] if whole is not None else vl.rank_tensor(r, n, tb)).reshape(want.shape)
                     c.add(want, got)
             zeros_ok = True
             for z in ts.zeros:
                 for zb in _blocks(z, 4, max_memory):
-                    if vl.rank_tensor(r, n, zb).count_nonzero():
+                    zt = whole[box_slices(zb)] if whole is not None else vl.rank_tensor(r, n, zb)
+                    if zt.count_nonzero():
                         zeros_ok = False
             _finish(row, cmps, allow_cast, zeros_ok)
             rows.append(row)
