@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import signal
 import sys
 import threading
@@ -61,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="HF model dir (config.json + *.safetensors [+ index])")
     p.add_argument("--out", required=True, help="output dist-checkpoint dir (written to OUT.partial-*, renamed when complete)")
     _add_megatron_topology(p)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="saved dtype (default: the source's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="saved dtype of every tensor (default: each tensor's stored dtype; a key fused from tensors "
+                        "of different dtypes takes the widest)")
     p.add_argument("--workers", type=int, default=2, help="parallel writer threads, one file at a time each (default 2)")
     p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
@@ -74,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output HF dir")
     p.add_argument("--hf-config", required=True, help="HF dir (or config.json) describing the model; its tokenizer/"
                                                        "generation files are copied")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="output dtype of every tensor (default: each tensor's stored dtype, e.g. fp32 norms stay fp32)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="max bytes per safetensors shard (default 5GB)")
     p.add_argument("--prefix", default=None, help="key prefix of the model tensors (default: auto-detect)")
     p.add_argument("--workers", type=int, default=2, help="parallel shard writers (default 2)")
@@ -101,14 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
     p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of every shard tensor (default: each tensor's stored dtype; a fused tensor "
+                        "(qkv, w13) of parts in different dtypes takes the widest)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-memory", type=parse_size, default="4GiB")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
 
-    p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats)")
+    p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats), or "
+                                      "one checkpoint alone (structure, coverage, _extra_state, common.pt, checksums)")
     p.add_argument("--hf", default=None, help="HF dir")
     p.add_argument("--mcore", default=None, help="Megatron dist-checkpoint dir")
     p.add_argument("--vllm", default=None, help="vLLM shard dir (from reshard)")
@@ -116,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None, help="HF config for a Megatron side when --hf is not given")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--json", default=None, help="write the full report as JSON to this path ('-' = stdout)")
+    p.add_argument("--allow-cast", action="store_true",
+                   help="compare tensors stored in different dtypes after casting both to the narrower one and "
+                        "count how many were rounded (default: a dtype difference is a difference)")
+    p.add_argument("--max-memory", type=parse_size, default="1GiB",
+                   help="bound on the comparison buffers: tensors are compared in row blocks of about this "
+                        "size / 24 elements (default 1GiB; resident memory is this plus the interpreter)")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("plan", help="dry run from a config: stages, bytes per rank and file, time estimate")
@@ -235,23 +248,43 @@ def _run(args) -> int:
         from .views import HFView, McoreView, VllmView
 
         given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2") if getattr(args, k)]
-        if len(given) != 2:
-            print("ckpt-tools verify: error: give exactly two of --hf, --mcore, --vllm, --hf2", file=sys.stderr)
+        if len(given) not in (1, 2):
+            print("ckpt-tools verify: error: give two of --hf, --mcore, --vllm, --hf2 (compare), or one (check it "
+                  "alone)", file=sys.stderr)
             return 2
         cfg_src = args.hf or args.hf_config or args.hf2
+        if len(given) == 1 and args.hf_config:
+            cfg_src = args.hf_config
         cfg = load_config(cfg_src) if cfg_src else None
-        views = []
-        for k, p in given:
+        if cfg is None and any(k == "mcore" for k, _ in given):
+            print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
+            return 2
+        cache = max(16 << 20, args.max_memory // 4)
+
+        def open_side(k, p):
             if k in ("hf", "hf2"):
-                views.append(HFView(p, cfg))
-            elif k == "mcore":
-                if cfg is None:
-                    print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
-                    return 2
-                views.append(McoreView(p, cfg, prefix=args.prefix))
-            else:
-                views.append(VllmView(p, cfg))
-        rep = verify(*views, progress=prog)
+                return HFView(p, cfg)
+            if k == "mcore":
+                return McoreView(p, cfg, prefix=args.prefix, cache_bytes=cache)
+            return VllmView(p, cfg)
+
+        if len(given) == 1:  # the checkpoint alone: any problem found in it is exit 1
+            from .verify import check_one, print_one
+            from .views import ERRORS
+
+            (k, p), = given
+            if not os.path.isdir(p):
+                print(f"ckpt-tools verify: error: --{k} {p}: not a directory", file=sys.stderr)
+                return 2
+            try:
+                rep = check_one(open_side(k, p), progress=prog)
+            except ERRORS as e:
+                rep = {"ok": False, "path": p, "kind": k, "problems": [str(e)], "notes": [], "loaders": None}
+            print_one(rep, sys.stdout)
+            _dump(rep, args.json)
+            return 0 if rep["ok"] else 1
+        views = [open_side(k, p) for k, p in given]
+        rep = verify(*views, progress=prog, allow_cast=args.allow_cast, max_memory=args.max_memory)
         print_report(rep, sys.stdout)
         _dump(rep, args.json)
         return 0 if rep["ok"] else 1
@@ -291,12 +324,16 @@ def _run(args) -> int:
         cfg = load_config(args.hf_config) if args.hf_config else None
         v = open_view(args.path, cfg)
         info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
-                "experts": v.cfg.experts, "tensors": len(v.shapes), "dtype": str(v.dtype)}
+                "experts": v.cfg.experts, "tensors": len(v.shapes),
+                "dtype": str(v.dtype) if v.dtype else "+".join(sorted({str(v.dtype_of(n)) for n in v.names()}))}
         if v.kind == "mcore":
             info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                         files=len({si.relative_path for si in v.ckpt.storage.values()}))
-            probs = v.integrity()
-            info["integrity"] = probs or "ok"
+        from .verify import inspect_checks
+
+        chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
+        info["manifest"] = chk["manifest"]
+        info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
         if v.kind == "vllm":
             info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
             info["integrity"] = v.integrity() or "ok"

@@ -45,7 +45,9 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
     assert tuple(emb.size) == (384, 64) and emb.properties.dtype == torch.float32
     v = McoreView(mc, HFView(tiny_hf_bf16).cfg)
     assert v.integrity() == []
-    assert verify(HFView(tiny_hf_bf16), v, progress=False)["ok"]
+    assert not verify(HFView(tiny_hf_bf16), v, progress=False)["ok"]  # a dtype difference is a difference
+    rep = verify(HFView(tiny_hf_bf16), v, progress=False, allow_cast=True)  # bf16 -> fp32 rounds nothing
+    assert rep["ok"] and rep["cast"] == 201 and rep["rounded"] == 0
     convert.mcore2hf(mc, back, tiny_hf_bf16, dtype="bf16", progress=False)  # padding stripped
     assert verify(HFView(tiny_hf_bf16), HFView(back), progress=False)["ok"]
 
