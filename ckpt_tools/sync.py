@@ -378,7 +378,7 @@ def _exchange_summaries(summary: dict, group, world: int, timeout_s: float) -> l
     outs = [torch.zeros_like(t) for _ in range(world)]
     work = dist.all_gather(outs, t, group=group, async_op=True)
     try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
+        _wait(work, time.monotonic() + timeout_s, timeout_s)
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
         raise SyncError(f"weight sync refused: checking the schedule with the other ranks failed within "
                         f"{timeout_s:g} s ({_one_line(e)}); vLLM weights not modified") from None
@@ -390,6 +390,14 @@ def _exchange_summaries(summary: dict, group, world: int, timeout_s: float) -> l
         except (UnicodeDecodeError, json.JSONDecodeError):
             res.append({"fp": "?", "desc": "unreadable", "problem": "summary truncated"})
     return res
+
+
+def _wait(work, deadline: float, timeout_s: float):
+    """Wait at most until ``deadline``: ``Work.wait(timeout)`` (gloo's send/recv/collective works honour it and
+    raise on a timeout or a dead peer; NCCL / HCCL also time out through their watchdog / the group timeout)."""
+    left = max(0.001, deadline - time.monotonic())
+    if work.wait(timeout=timedelta(seconds=left)) is False:
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
 
 
 def _one_line(e: BaseException) -> str:
@@ -534,9 +542,7 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
         deadline = time.monotonic() + timeout_s
         for w in works:
             try:
-                left = max(0.001, deadline - time.monotonic())
-                if not w.wait(timeout=timedelta(seconds=left)):
-                    raise TimeoutError(f"no answer within {timeout_s:g} s")
+                _wait(w, deadline, timeout_s)
             except Exception as e:  # noqa: BLE001 - a dead or stalled peer
                 peers = sorted(set(sends) | set(recvs))
                 raise fail(b, f"transfer with rank(s) {peers} did not complete ({_one_line(e)})") from None
@@ -605,8 +611,7 @@ def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, 
                     buf = torch.empty(box_numel(inter), dtype=dtype, device=rdev)
                 w = dist.broadcast(buf, peer(owner), group=group, async_op=True)
                 try:
-                    if not w.wait(timeout=timedelta(seconds=timeout_s)):
-                        raise TimeoutError(f"no answer within {timeout_s:g} s")
+                    _wait(w, time.monotonic() + timeout_s, timeout_s)
                 except Exception as e:  # noqa: BLE001
                     d = cnt["tensors_delivered"]
                     raise SyncError(f"gather-all sync failed on rank {rank} at {hf}: {_one_line(e)}; "
