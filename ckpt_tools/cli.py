@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import signal
 import sys
+import threading
 
 from .progress import parse_size
 
-EPILOG = "Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator."
+EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
+          "Exit codes: 0 ok; 1 verify found differences; 2 bad input or usage (one line naming the path or flag); "
+          "3 I/O or environment failure (disk full, read-only file system, permission, another run holding --out); "
+          "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP (partial output removed).")
 
 
 def _layers(s):
@@ -49,6 +56,8 @@ def _add_io(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from converters import vllm_names
+
     ap = argparse.ArgumentParser(prog="ckpt-tools", description=__doc__, epilog=EPILOG)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -56,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="HF model dir (config.json + *.safetensors [+ index])")
     p.add_argument("--out", required=True, help="output dist-checkpoint dir (written to OUT.partial-*, renamed when complete)")
     _add_megatron_topology(p)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="saved dtype (default: the source's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="saved dtype of every tensor (default: each tensor's stored dtype; a key fused from tensors "
+                        "of different dtypes takes the widest)")
     p.add_argument("--workers", type=int, default=2, help="parallel writer threads, one file at a time each (default 2)")
     p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
@@ -69,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output HF dir")
     p.add_argument("--hf-config", required=True, help="HF dir (or config.json) describing the model; its tokenizer/"
                                                        "generation files are copied")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="output dtype of every tensor (default: each tensor's stored dtype, e.g. fp32 norms stay fp32)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="max bytes per safetensors shard (default 5GB)")
     p.add_argument("--prefix", default=None, help="key prefix of the model tensors (default: auto-detect)")
     p.add_argument("--workers", type=int, default=2, help="parallel shard writers (default 2)")
@@ -85,14 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: vllm (per-rank shards) or mcore (a torch_dist checkpoint for the Megatron topology "
                         "and --spec below: model weights only, optimizer/rng/other entries dropped, no key prefix; "
                         "needs --hf-config)")
-    p.add_argument("--out", required=True, help="output dir: rank_{r}/model.safetensors + vllm_layout.json + config "
-                                                 "(--to mcore: a dist-checkpoint dir as hf2mcore writes)")
+    p.add_argument("--out", required=True, help="output dir: model-rank-{r}-part-0.safetensors per TP rank (with --dp > 1 "
+                                                 "and expert parallel: one dir dp_{k} per DP rank), config + tokenizer "
+                                                 "files, vllm_layout.json; serve with vllm serve OUT --load-format "
+                                                 "sharded_state --tensor-parallel-size T (--to mcore: a dist-checkpoint "
+                                                 "dir as hf2mcore writes)")
     p.add_argument("--tp", type=int, default=None, help="vLLM tensor-parallel size (required for --to vllm); "
                                                         "--to mcore: Megatron TP (default 1)")
     p.add_argument("--dp", type=int, default=1, help="vLLM data-parallel size (default 1)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM expert parallel: EP = TP x DP, MoE TP 1")
     p.add_argument("--ep", type=int, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp); "
                                                         "--to mcore: Megatron EP (default 1)")
+    p.add_argument("--vllm-version", default=None,
+                   help="the vLLM that will load it, as vllm.__version__ prints it (its file and tensor names and "
+                        f"extra buffers differ by version); known: {', '.join(vllm_names.known())} "
+                        f"({vllm_names.USERS_VERSION} = the users' vLLM, commit 38217877); default: the installed "
+                        f"vLLM's version, else {vllm_names.USERS_VERSION}")
     g = p.add_argument_group("--to mcore: Megatron target topology and spec (as hf2mcore)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: = --tp)")
@@ -108,14 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "stripped)")
     p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of every shard tensor (default: each tensor's stored dtype; a fused tensor "
+                        "(qkv, w13) of parts in different dtypes takes the widest)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-memory", type=parse_size, default="4GiB")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
 
-    p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats)")
+    p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats), or "
+                                      "one checkpoint alone (structure, coverage, _extra_state, common.pt, checksums)")
     p.add_argument("--hf", default=None, help="HF dir")
     p.add_argument("--mcore", default=None, help="Megatron dist-checkpoint dir")
     p.add_argument("--vllm", default=None, help="vLLM shard dir (from reshard)")
@@ -123,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None, help="HF config for a Megatron side when --hf is not given")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--json", default=None, help="write the full report as JSON to this path ('-' = stdout)")
+    p.add_argument("--allow-cast", action="store_true",
+                   help="compare tensors stored in different dtypes after casting both to the narrower one and "
+                        "count how many were rounded (default: a dtype difference is a difference)")
+    p.add_argument("--max-memory", type=parse_size, default="1GiB",
+                   help="bound on the comparison buffers: tensors are compared in row blocks of about this "
+                        "size / 24 elements (default 1GiB; resident memory is this plus the interpreter)")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("plan", help="dry run from a config: stages, bytes per rank and file, time estimate")
@@ -142,18 +171,57 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP (SLURM and Kubernetes preemption, a closed terminal), raised in the main thread like
+    SIGINT's KeyboardInterrupt, so every writer's cleanup (the OUT.partial-PID dir) runs the same way."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGHUP):  # a second one must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from .fsutil import OutError
+    from .model_config import ConfigError
+    from .safe_pickle import UnsafePickleError
     from .views import ERRORS
 
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, _on_signal)
     try:
         return _run(args)
-    except ERRORS as e:
+    except ERRORS + (ConfigError, OutError, UnsafePickleError) as e:
         print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:
+        print(f"ckpt-tools {args.cmd}: terminated by {signal.Signals(e.signum).name}; partial output removed",
+              file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("interrupted; partial output removed", file=sys.stderr)
         return 130
+    except OSError as e:  # ENOSPC, EROFS, EACCES, EIO, ...: the environment, not the input
+        out = getattr(args, "out", None)
+        where = e.filename if e.filename else (f"--out {out}" if out else args.cmd)
+        code = errno.errorcode.get(e.errno, "") if e.errno else ""
+        print(f"ckpt-tools {args.cmd}: error: {where}: {e.strerror or e}" + (f" ({code})" if code else ""),
+              file=sys.stderr)
+        return 3
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for t in threading.enumerate():  # exiting while torch DCP imports in the background aborts (SIGABRT)
+            if t.name == "import-dcp":
+                t.join(timeout=120)
 
 
 def _dump(obj, path):
@@ -215,31 +283,54 @@ def _run(args) -> int:
         r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                             ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
                             overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory,
-                            direct_io=not args.buffered_io, io_threads=args.io_threads)
-        print(f"wrote {r['out']}: {r['layout']}, {r['ranks']} rank dirs, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+                            direct_io=not args.buffered_io, io_threads=args.io_threads,
+                            vllm_version=args.vllm_version)
+        where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
+        print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "
+              f"{fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
         return 0
     if args.cmd == "verify":
         from .verify import print_report, verify
         from .views import HFView, McoreView, VllmView
 
         given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2") if getattr(args, k)]
-        if len(given) != 2:
-            print("ckpt-tools verify: error: give exactly two of --hf, --mcore, --vllm, --hf2", file=sys.stderr)
+        if len(given) not in (1, 2):
+            print("ckpt-tools verify: error: give two of --hf, --mcore, --vllm, --hf2 (compare), or one (check it "
+                  "alone)", file=sys.stderr)
             return 2
         cfg_src = args.hf or args.hf_config or args.hf2
+        if len(given) == 1 and args.hf_config:
+            cfg_src = args.hf_config
         cfg = load_config(cfg_src) if cfg_src else None
-        views = []
-        for k, p in given:
+        if cfg is None and any(k == "mcore" for k, _ in given):
+            print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
+            return 2
+        cache = max(16 << 20, args.max_memory // 4)
+
+        def open_side(k, p):
             if k in ("hf", "hf2"):
-                views.append(HFView(p, cfg))
-            elif k == "mcore":
-                if cfg is None:
-                    print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
-                    return 2
-                views.append(McoreView(p, cfg, prefix=args.prefix))
-            else:
-                views.append(VllmView(p, cfg))
-        rep = verify(*views, progress=prog)
+                return HFView(p, cfg)
+            if k == "mcore":
+                return McoreView(p, cfg, prefix=args.prefix, cache_bytes=cache)
+            return VllmView(p, cfg)
+
+        if len(given) == 1:  # the checkpoint alone: any problem found in it is exit 1
+            from .verify import check_one, print_one
+            from .views import ERRORS
+
+            (k, p), = given
+            if not os.path.isdir(p):
+                print(f"ckpt-tools verify: error: --{k} {p}: not a directory", file=sys.stderr)
+                return 2
+            try:
+                rep = check_one(open_side(k, p), progress=prog)
+            except ERRORS as e:
+                rep = {"ok": False, "path": p, "kind": k, "problems": [str(e)], "notes": [], "loaders": None}
+            print_one(rep, sys.stdout)
+            _dump(rep, args.json)
+            return 0 if rep["ok"] else 1
+        views = [open_side(k, p) for k, p in given]
+        rep = verify(*views, progress=prog, allow_cast=args.allow_cast, max_memory=args.max_memory)
         print_report(rep, sys.stdout)
         _dump(rep, args.json)
         return 0 if rep["ok"] else 1
@@ -279,17 +370,21 @@ def _run(args) -> int:
         cfg = load_config(args.hf_config) if args.hf_config else None
         v = open_view(args.path, cfg)
         info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
-                "experts": v.cfg.experts, "tensors": len(v.shapes), "dtype": str(v.dtype)}
+                "experts": v.cfg.experts, "tensors": len(v.shapes),
+                "dtype": str(v.dtype) if v.dtype else "+".join(sorted({str(v.dtype_of(n)) for n in v.names()}))}
         if v.kind == "mcore":
             info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                         files=len({si.relative_path for si in v.ckpt.storage.values()}))
-            probs = v.integrity()
-            info["integrity"] = probs or "ok"
             info["loaders"] = v.loaders()
-        if v.kind == "vllm":
-            info.update(layout=v.par.describe())
+        from .verify import inspect_checks
         from .views import format_loaders
 
+        chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
+        info["manifest"] = chk["manifest"]
+        info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
+        if v.kind == "vllm":
+            info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
+            info["integrity"] = v.integrity() or "ok"
         for k, val in info.items():
             print(f"{k:>12}: {format_loaders(val) if k == 'loaders' else val}")
         _dump(info, args.json)

@@ -8,14 +8,15 @@ import time
 
 import torch
 
-from .fsutil import publish, staging
+from .fsutil import check_out, discard, publish, staging
 from .hf import HFShardWriter, copy_side_files
+from .integrity import write_manifest
 from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, boxes_disjoint_cover
 from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
 from .progress import Progress
 from .torch_dist import write_torch_dist
-from .views import VLLM_META, FormatError, HFView, McoreView, open_view
+from .views import VLLM_META, FormatError, HFView, McoreView, open_view, vllm_shard_files, widest
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SIDE_CAR = "ckpt_tools.json"
@@ -29,11 +30,12 @@ def _dtype(name, default):
     return DTYPES[name]
 
 
-def _staging(out: str, overwrite: bool) -> str:
-    return staging(out, overwrite, FormatError)
+def _staging(out: str, overwrite: bool, kind: str = "", inputs: dict | None = None) -> str:
+    return staging(out, overwrite, FormatError, kind=kind, inputs=inputs)
 
 
-_publish = publish
+def _publish(tmp: str, out: str):
+    publish(tmp, out, FormatError)
 
 
 def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None):
@@ -44,22 +46,40 @@ def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, la
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
              vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8) -> dict:
+    inputs = {"--hf": hf}
+    check_out(out, "mcore", overwrite, inputs, FormatError)  # before any work
     cfg = load_config(hf)
     par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
     view = HFView(hf, cfg)
-    dt = _dtype(dtype, view.dtype)
+    dt = _dtype(dtype, None) or _key_dtypes(layout, view)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
-                           progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads)
-    _side_car(out, hf, spec, dt, par, layout, cfg)
-    res.update(topology=par.describe(), spec=spec, dtype=str(dt))
+                           progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads,
+                           inputs=inputs)
+    _side_car(out, hf, spec, _dt_name(dt, layout.tensors), par, layout, cfg)
+    res.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
     return res
 
 
-def _side_car(out, src, spec, dt, par, layout, cfg, **extra):
+def _key_dtypes(layout, view):
+    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32)."""
+    srcs = {}
+    for (key, _), segs in layout.segment_index().items():
+        srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
+    return {k: widest(v) for k, v in srcs.items()}.__getitem__
+
+
+def _dt_name(dt, keys) -> str:
+    """'torch.bfloat16', or for per-tensor dtypes the set, e.g. 'torch.bfloat16+torch.float32'."""
+    if not callable(dt):
+        return str(dt)
+    return "+".join(sorted({str(dt(k)) for k in keys}))
+
+
+def _side_car(out, src, spec, dtname, par, layout, cfg, **extra):
     with open(os.path.join(out, SIDE_CAR), "w") as f:
-        json.dump({"source": os.path.abspath(src), "spec": spec, "dtype": str(dt), "pp": par.pp, "tp": par.tp,
+        json.dump({"source": os.path.abspath(src), "spec": spec, "dtype": dtname, "pp": par.pp, "tp": par.tp,
                    "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage),
                    "world": par.world, "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type, **extra},
                   f, indent=1)
@@ -75,6 +95,8 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore."""
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
+    inputs = {"--from": src, "--hf-config": hf_config}
+    check_out(out, "mcore", overwrite, inputs, FormatError)  # before any work
     cfg = load_config(hf_config)
     if not (os.path.isfile(os.path.join(src, "metadata.json")) or os.path.isfile(os.path.join(src, ".metadata"))):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
@@ -83,32 +105,29 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     problems = view.integrity()
     if problems:
         raise FormatError(f"{src}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-    if view.dtype is None and dtype is None:
-        raise FormatError(f"{src}: the model tensors have mixed dtypes; pass --dtype")
     par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
-    dt = _dtype(dtype, view.dtype)
-    if os.path.abspath(src) == os.path.abspath(out):
-        raise FormatError(f"--out {out} is the source checkpoint: write to another directory")
+    dt = _dtype(dtype, None) or _key_dtypes(layout, view)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory, progress=progress,
-                           overwrite=overwrite, direct_io=direct_io, io_threads=io_threads, label="reshard")
+                           overwrite=overwrite, direct_io=direct_io, io_threads=io_threads, inputs=inputs,
+                           label="reshard")
     dropped = sorted(set(view.ckpt.tensors) - set(view.layout.tensors)) + sorted(
         o for o in view.ckpt.objects if not o.startswith(view.ckpt.prefix + "decoder.")
         and not o.startswith(view.ckpt.prefix + "embedding.") and not o.startswith(view.ckpt.prefix + "output_layer."))
-    _side_car(out, src, spec, dt, par, layout, cfg, source_prefix=view.ckpt.prefix, source_spec=view.spec,
-              dropped_entries=len(dropped))
-    res.update(topology=par.describe(), spec=spec, dtype=str(dt), source_prefix=view.ckpt.prefix,
+    _side_car(out, src, spec, _dt_name(dt, layout.tensors), par, layout, cfg, source_prefix=view.ckpt.prefix,
+              source_spec=view.spec, dropped_entries=len(dropped))
+    res.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors), source_prefix=view.ckpt.prefix,
                dropped=len(dropped), source_loaders=view.loaders())
     return res
 
 
-def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8):
+def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8, hashes=None):
     from .engine import EngineError, run_copy
 
     try:
         return run_copy(items, workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
-                        io_threads=io_threads)
+                        io_threads=io_threads, hashes=hashes)
     except EngineError as e:
         raise FormatError(str(e)) from None
 
@@ -130,32 +149,38 @@ def _hf_items(view, records):
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
              overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8) -> dict:
+    inputs = {"--mcore": mcore, "--hf-config": hf_config}
+    check_out(out, "hf", overwrite, inputs, FormatError)  # before any work
     cfg = load_config(hf_config)
     view = McoreView(mcore, cfg, prefix=prefix, cache_bytes=max(64 << 20, max_memory // (4 * max(1, workers))))
     problems = view.integrity()
     if problems:
         raise FormatError(f"{mcore}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-    dt = _dtype(dtype, view.dtype or torch.bfloat16)
+    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
     names = view.names()
-    tmp = _staging(out, overwrite)
+    dts = {n: dt or view.dtype_of(n) for n in names}
+    tmp = _staging(out, overwrite, "hf", inputs)
     t0 = time.time()
     try:
-        writer = HFShardWriter(tmp, [(n, view.shapes[n], dt) for n in names], max_shard_size)
+        writer = HFShardWriter(tmp, [(n, view.shapes[n], dts[n]) for n in names], max_shard_size)
         bar = Progress(writer.total, "mcore2hf", enabled=progress)
-        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads)
+        hashes = []
+        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads, hashes)
         bar.close()
         index = writer.finish()
         copied = copy_side_files(hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config), tmp)
         if "config.json" not in copied:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(cfg.raw, f, indent=2)
+        write_manifest(tmp, hashes)
         _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return {"out": out, "tensors": len(names), "bytes": index["metadata"]["total_size"],
             "shards": len(set(index["weight_map"].values())), "seconds": time.time() - t0,
-            "spec": view.spec, "prefix": view.ckpt.prefix, "dtype": str(dt), "engine": stats}
+            "spec": view.spec, "prefix": view.ckpt.prefix, "dtype": "+".join(sorted(set(map(str, dts.values())))),
+            "engine": stats}
 
 
 def _numel(shape):
@@ -172,8 +197,19 @@ def open_source(path: str, hf_config: str | None, prefix=None):
 
 def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = False, ep: int | None = None,
             hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
-            max_memory=4 << 30, direct_io=True, io_threads=8) -> dict:
-    """Write vLLM per-rank shards ``out/rank_{r}/model.safetensors`` (+ config, vllm_layout.json)."""
+            max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None) -> dict:
+    """Write what vLLM ``vllm_version`` loads with ``load_format="sharded_state"``: one file per TP rank named
+    as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
+    checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
+    config/tokenizer files and ``vllm_layout.json``."""
+    inputs = {"--from": src, "--hf-config": hf_config}
+    check_out(out, "vllm", overwrite, inputs, FormatError)  # before any work
+    from converters import vllm_names
+
+    try:
+        version, names = vllm_names.table(vllm_version)
+    except vllm_names.UnknownVersion as e:
+        raise LayoutError(str(e)) from None
     if ep is not None:
         if ep % tp:
             raise LayoutError(f"--ep ({ep}) must be a multiple of --tp ({tp}): vLLM's EP size is TP x DP")
@@ -183,27 +219,43 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         raise FormatError("--from must be an HF or a Megatron checkpoint")
     cfg = view.cfg
     par = VllmParallel(tp, dp, expert_parallel)
-    dst = VllmLayout(cfg, par)
+    dst = VllmLayout(cfg, par, names)
     if isinstance(view, McoreView):
         problems = view.integrity()
         if problems:
             raise FormatError(f"{src}: {problems[0]}")
-    dt = _dtype(dtype, view.dtype or torch.bfloat16)
-    tmp = _staging(out, overwrite)
+    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype (fused tensors: the widest of their parts)
+
+    def dt_of(ts):
+        return dt or widest(view.dtype_of(sg.hf) for sg in ts.segments) or torch.bfloat16
+
+    dp_dirs = par.dp > 1 and par.ep > 1  # DP ranks hold different experts: a directory per DP engine
+    files = vllm_shard_files(par, names, dp_dirs)
+    # one writer per file: without dp_dirs the DP ranks' files are the same (identical contents), written once
+    first = {}
+    for r, rel in sorted(files.items()):
+        first.setdefault(rel, r)
+    ranks = sorted(first.values())
+    tmp = _staging(out, overwrite, "vllm", inputs)
     t0 = time.time()
     try:
         from .engine import Op
 
         hf_order = {n: i for i, n in enumerate(view.shapes)}
         writers, items = [], []
-        for r in range(par.world):
-            d = os.path.join(tmp, f"rank_{r}")
+        for r in ranks:
+            d = os.path.join(tmp, ".rank_%d" % r)  # HFShardWriter's own names here, renamed in finish
             os.makedirs(d)
-            w = HFShardWriter(d, [(n, ts.shape, dt) for n, ts in dst.ranks[r].items()], 1 << 62)
-            writers.append(w)
+            entries = [(n, ts.shape, dt_of(ts)) for n, ts in dst.ranks[r].items()]
+            entries += [(n, shape, getattr(torch, bdt)) for n, shape, bdt, _ in dst.buffers]
+            w = HFShardWriter(d, entries, 1 << 62)
+            for n, shape, bdt, value in dst.buffers:
+                w.write(n, torch.full(shape, value, dtype=getattr(torch, bdt)))
+            writers.append((r, d, w))
             for rec in w.records():
-                ts = dst.ranks[r][rec.what]
-                items.append((hf_order[ts.segments[0].hf] if ts.segments else -1, r, rec, ts))
+                ts = dst.ranks[r].get(rec.what)
+                if ts is not None:
+                    items.append((hf_order[ts.segments[0].hf] if ts.segments else -1, r, rec, ts))
         items.sort(key=lambda x: (x[0], x[1]))  # layer-major across ranks: a source region is read once
 
         def plan():  # lazy: each tensor's copy ops are worked out as the copy reaches it
@@ -220,24 +272,43 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
 
         total = sum(x[2].nbytes for x in items)
         bar = Progress(total, "reshard", enabled=progress)
-        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads)
+        hashes = []
+        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads, hashes)
         bar.close()
-        for r, w in enumerate(writers):
-            w.finish()
-            os.remove(os.path.join(tmp, f"rank_{r}", "model.safetensors.index.json"))
         cfg_src = hf_config or src
-        copied = copy_side_files(cfg_src if os.path.isdir(cfg_src) else os.path.dirname(cfg_src), tmp)
-        if "config.json" not in copied:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(cfg.raw, f, indent=2)
+        side_dir = cfg_src if os.path.isdir(cfg_src) else os.path.dirname(cfg_src)
+        dirs = sorted({os.path.dirname(files[r]) for r in ranks})
+        for d in dirs:  # every directory vLLM is pointed at needs config.json (+ tokenizer files)
+            os.makedirs(os.path.join(tmp, d), exist_ok=True)
+            copied = copy_side_files(side_dir, os.path.join(tmp, d))
+            if "config.json" not in copied:
+                with open(os.path.join(tmp, d, "config.json"), "w") as f:
+                    json.dump(cfg.raw, f, indent=2)
+        if "" not in dirs:  # the top directory too (verify / inspect read the config there)
+            copied = copy_side_files(side_dir, tmp)
+            if "config.json" not in copied:
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump(cfg.raw, f, indent=2)
+        for r, d, w in writers:
+            w.finish()
+            os.replace(os.path.join(d, "model.safetensors"), os.path.join(tmp, files[r]))
+            shutil.rmtree(d)
         with open(os.path.join(tmp, VLLM_META), "w") as f:
-            json.dump({"tp": tp, "dp": dp, "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world,
-                       "padded_vocab": dst.padded_vocab, "dtype": str(dt), "source": os.path.abspath(src),
-                       "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp} for r in range(par.world)]},
+            json.dump({"format": "vllm sharded_state", "vllm_version": version, "tp": tp, "dp": dp,
+                       "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world, "dp_dirs": dp_dirs,
+                       "padded_vocab": dst.padded_vocab,
+                       "dtype": "+".join(sorted({str(dt_of(ts)) for rk in dst.ranks for ts in rk.values()})),
+                       "source": os.path.abspath(src),
+                       "serve": [f"vllm serve OUT{'/' + d if d else ''} --load-format sharded_state "
+                                 f"--tensor-parallel-size {tp}" for d in dirs],
+                       "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp, "file": files[r]}
+                                 for r in range(par.world)]},
                       f, indent=1)
+        moved = {os.path.join(d, "model.safetensors.tmp"): os.path.join(tmp, files[r]) for r, d, _ in writers}
+        write_manifest(tmp, [(moved.get(h[0], h[0]), *h[1:]) for h in hashes])
         _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
-    return {"out": out, "ranks": par.world, "bytes": total, "seconds": time.time() - t0,
-            "layout": par.describe(), "engine": stats}
+    return {"out": out, "ranks": par.world, "files": len(ranks), "dirs": dirs, "bytes": total,
+            "seconds": time.time() - t0, "layout": par.describe(), "vllm_version": version, "engine": stats}

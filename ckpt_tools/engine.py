@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .integrity import hash_bytes, hash_range
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, full_box
 
 
@@ -131,6 +132,39 @@ def row_blocks(shape, itemsize: int, max_bytes: int) -> list[Box]:
     pre = tuple((0, 1) for _ in range(k))
     post = tuple((0, n) for n in shape[k + 1:])
     return [pre + ((r, min(r + step, shape[k])),) + post for r in range(0, shape[k], step)]
+
+
+def read_rec_box(rec: Rec, box: Box | None = None, fd: int | None = None) -> torch.Tensor:
+    """Read ``box`` of source record ``rec`` with ``preadv`` (no mmap): only the contiguous span holding the
+    box (whole rows below its first non-point dim) is read, so memory follows the box, not the file."""
+    shape = tuple(rec.shape)
+    box = full_box(shape) if box is None else tuple(box)
+    isz = rec.dtype.itemsize
+    if shape:
+        sb = span_box(shape, box)
+        st, n = contiguous_span(shape, sb)
+    else:
+        sb, st, n = (), 0, 1
+    buf = np.empty(n * isz, np.uint8)
+    own = fd is None
+    if own:
+        try:
+            fd = os.open(rec.path, os.O_RDONLY)
+        except OSError as e:
+            raise EngineError(f"{rec.path}: cannot open ({e.strerror})") from None
+    try:
+        mv, done, off = memoryview(buf), 0, rec.offset + st * isz
+        while done < len(buf):
+            k = os.preadv(fd, [mv[done:]], off + done)
+            if k <= 0:
+                raise EngineError(f"{rec.path}: truncated: {rec.what or 'tensor'} needs bytes up to "
+                                  f"{off + len(buf)}, file ends at {os.fstat(fd).st_size}")
+            done += k
+    finally:
+        if own:
+            os.close(fd)
+    t = torch.from_numpy(buf).view(rec.dtype).view(box_shape(sb))
+    return t[box_slices(box_shift(box, [x[0] for x in sb]))] if sb != box else t
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -320,10 +354,13 @@ class Engine:
     DIRECT_BUF = 16 << 20  # page-aligned per-thread staging buffer for O_DIRECT reads and writes
 
     def __init__(self, workers: int = 2, max_memory: int = 4 << 30, progress=None, readahead: int = 2,
-                 direct: bool = True, io_threads: int = 8):
+                 direct: bool = True, io_threads: int = 8, hashes: list | None = None):
         """``readahead``: how many units are planned ahead of the workers. ``direct``: read and write long
         runs with O_DIRECT where the file system allows it (falls back to buffered I/O by itself).
-        ``io_threads``: O_DIRECT requests in flight, shared by the workers."""
+        ``io_threads``: O_DIRECT requests in flight, shared by the workers. ``hashes``: a list that gets
+        (path, file offset, length, xxh3_64 hex, record name) for every destination block written, hashed
+        from the arena right before it is written (:mod:`ckpt_tools.integrity`)."""
+        self.hashes = hashes
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         self.direct_read = self.direct
         self.io_threads = max(1, int(io_threads))
@@ -344,7 +381,7 @@ class Engine:
         self._failed = False
         self.stats = {"copy_file_range_bytes": 0, "bounce_bytes": 0, "direct_read_bytes": 0, "staged_bytes": 0,
                       "arena_peak_bytes": 0, "direct_write_bytes": 0, "direct_read_span_bytes": 0,
-                      "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "slow_records": 0,
+                      "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "t_hash": 0.0, "slow_records": 0,
                       "units": 0, "blocks": 0}
         self._stats_lock = threading.Lock()
 
@@ -597,8 +634,10 @@ class Engine:
         try:
             for t in threads:
                 t.join()
-        except BaseException:
+        except BaseException:  # SIGINT / SIGTERM in the main thread: the workers stop after their unit
             self._failed = True
+            for t in threads:  # before the caller removes the partial output they write into
+                t.join(timeout=120)
             raise
         if errors:
             raise errors[0]
@@ -724,7 +763,7 @@ class Engine:
                 read_src(s, s.offset + st * isz, memoryview(anp[soffs[key]:soffs[key] + n * isz]))
             sviews[key] = (bx, arena.view(soffs[key], n * isz, s.dtype, box_shape(bx)))
             self._count("staged_bytes", n * isz)
-        copies, writes = [], []
+        copies, writes, block_hashes = [], [], []
         direct = 0
         for b in unit.blocks:
             d = b.dst
@@ -750,6 +789,8 @@ class Engine:
             if b.first and d.head:
                 writes.append((dfd, boff - len(d.head), d.head))
             writes.append((dfd, boff, memoryview(anp[o:o + b.nbytes])))
+            if self.hashes is not None:
+                block_hashes.append((d.path, boff, o, b.nbytes, d.what))
             if b.last and d.tail:
                 writes.append((dfd, d.offset + d.nbytes, d.tail))
         self._count("direct_read_bytes", direct)
@@ -789,14 +830,29 @@ class Engine:
             dv = self._block_view(arena, offs, b, views)[box_slices(local)]
             dv.copy_(sv.reshape(dv.shape))
         t3 = time.perf_counter()
-        self._run_io([t for fd, off, bufs, n in _merge(writes) for t in self._write_tasks(fd, off, bufs, n)])
         self._count("t_copy", t3 - t2)
+        if block_hashes:  # the block's final bytes, as they are about to be written (xxh3: ~15 GB/s)
+            done = [(p, boff, n, hash_bytes(anp[o:o + n]), what) for p, boff, o, n, what in block_hashes]
+            self.hashes.extend(done)
+            th = time.perf_counter()
+            self._count("t_hash", th - t3)
+            t3 = th
+        self._run_io([t for fd, off, bufs, n in _merge(writes) for t in self._write_tasks(fd, off, bufs, n)])
         self._count("t_write", time.perf_counter() - t3)
         for b in unit.blocks:
             if b.cfr:
                 self._run_cfr_block(b, slow)
+                if self.hashes is not None:  # copied kernel-side: hash what landed (page cache)
+                    self._hash_back(b)
         if self.progress is not None:
             self.progress.update(sum(b.nbytes for b in unit.blocks))
+
+    def _hash_back(self, b: Block):
+        d = b.dst
+        st, _ = contiguous_span(d.shape, b.box)
+        off = d.offset + st * d.dtype.itemsize
+        fd = self.fd(d.path)
+        self.hashes.append((d.path, off, b.nbytes, hash_range(fd, off, b.nbytes, d.path), d.what))
 
     def _wait_turn(self, unit):
         with self._turn_cv:
@@ -834,12 +890,12 @@ class Engine:
 
 
 def run_copy(items, workers: int = 2, max_memory: int = 4 << 30, progress=None, sync: bool = True,
-             direct: bool = True, io_threads: int = 8) -> dict:
+             direct: bool = True, io_threads: int = 8, hashes: list | None = None) -> dict:
     """Copy into destination records: ``items`` yields (destination Rec, [Op into it]) in processing order
     (a generator is fine and is consumed as the copy proceeds). Destination files must exist at their final
     size; they are fsync'ed at the end (``sync``). ``direct``: O_DIRECT writes where possible; without them,
     pieces of CFR_MIN bytes or more go through copy_file_range."""
-    eng = Engine(workers, max_memory, progress, direct=direct, io_threads=io_threads)
+    eng = Engine(workers, max_memory, progress, direct=direct, io_threads=io_threads, hashes=hashes)
     try:
         eng.run(plan_units(items, eng.cap, cfr_min=None if eng.direct else CFR_MIN))
     finally:

@@ -1,4 +1,4 @@
-"""HF safetensors checkpoints: streaming reads through ``safe_open`` (mmap), sharded writes with an index."""
+"""HF safetensors checkpoints: streaming reads with preadv from the header offsets (no mmap), sharded writes with an index."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,6 @@ import shutil
 import threading
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .layout import Box
 
@@ -21,45 +20,88 @@ class HFError(ValueError):
 
 
 class HFReader:
-    """Name -> (file, shape, dtype) from the safetensors headers; reads boxes without loading whole tensors."""
+    """Name -> (file, shape, dtype) from the safetensors headers; reads boxes without loading whole tensors.
 
-    def __init__(self, path: str):
+    With ``model.safetensors.index.json`` (what transformers loads by) each tensor is read from the file its
+    ``weight_map`` names; an entry outside the model directory (absolute, ``..``, a symlink leading out - except
+    a hub cache snapshot's links into its ``blobs``), a tensor stored in two files, a tensor of a shard the
+    index does not list, or a ``*.safetensors`` file beside the index that it does not name (a stale shard)
+    is an error. Without an index every ``*.safetensors`` file is read and a tensor in two files is an error."""
+
+    def __init__(self, path: str, only: str | None = None):
+        """``only``: read just this one file of ``path`` (a vLLM shard directory holds one file per rank)."""
         self.path = path
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            raise HFError(f"--hf {path} is a file: give the model directory that holds it (with config.json)")
         if not os.path.isdir(path):
             raise HFError(f"--hf {path}: not a directory")
         idx = os.path.join(path, INDEX)
-        if os.path.isfile(idx):
+        if only is not None:
+            present, idx = [only], None
+        else:
+            present = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if idx is not None and os.path.isfile(idx):
             with open(idx) as f:
                 try:
                     wm = json.load(f)["weight_map"]
-                except (json.JSONDecodeError, KeyError) as e:
+                    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                        raise KeyError("weight_map is not a name -> file map")
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                     raise HFError(f"{idx}: not a valid safetensors index ({e})") from None
             files = sorted(set(wm.values()))
+            for fn in files:
+                self._inside(fn, idx)
+            stale = sorted(set(present) - {os.path.normpath(f) for f in files})
+            if stale:
+                raise HFError(f"{os.path.join(path, stale[0])}: not named by {INDEX} (a stale shard?); remove it "
+                              f"or add it to the index")
         else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            files = present
             wm = None
         if not files:
             raise HFError(f"{path}: no *.safetensors files")
-        self._handles = {}
         self._records = None
+        self._fds: dict = {}  # path -> read fd, opened on first read
         self.files = files
         self.meta: dict[str, tuple[str, tuple, torch.dtype]] = {}
+        recs = {}
         for fn in files:
             fp = os.path.join(path, fn)
             if not os.path.isfile(fp):
                 raise HFError(f"{fp}: listed in {INDEX} but missing")
-            try:
-                h = safe_open(fp, framework="pt")
-            except (SafetensorError, OSError, Exception) as e:  # truncated / corrupt header
-                raise HFError(f"{fp}: cannot open safetensors file ({e}); is it truncated?") from None
-            self._handles[fn] = h
-            for k in h.keys():
-                sl = h.get_slice(k)
-                self.meta[k] = (fn, tuple(sl.get_shape()), _dtype(sl.get_dtype()))
+            self._inside(fn, idx if wm is not None else path)
+            base, hdr = _read_header(fp, check=True)
+            for k, v in hdr.items():
+                if k == "__metadata__":
+                    continue
+                if k in self.meta:
+                    raise HFError(f"{path}: tensor {k} is stored in two files, {self.meta[k][0]} and {fn}; "
+                                  f"which one is meant is ambiguous")
+                if wm is not None and wm.get(k) != fn:
+                    raise HFError(f"{fp}: holds {k}, which {INDEX} "
+                                  + (f"places in {wm[k]}" if k in wm else "does not list"))
+                dt, shp = _dtype(v["dtype"]), tuple(v["shape"])
+                self.meta[k] = (fn, shp, dt)
+                recs[k] = (fp, base + v["data_offsets"][0], shp, dt)
+        self._rec_args = recs
         if wm is not None:
             for k, fn in wm.items():
                 if k not in self.meta:
                     raise HFError(f"{INDEX} lists {k} in {fn} but the file does not hold it")
+
+    def _inside(self, fn: str, where: str):
+        """``fn`` (an index entry or a file name) names a file inside the model directory."""
+        if os.path.isabs(fn) or os.path.normpath(fn).split(os.sep)[0] == "..":
+            raise HFError(f"{where}: refers to {fn}, outside the model directory {self.path}")
+        root = os.path.realpath(self.path)
+        real = os.path.realpath(os.path.join(self.path, fn))
+        if real.startswith(root + os.sep):
+            return
+        # the HF hub cache: snapshots/<rev>/<file> are symlinks to ../../blobs/<hash> of the same repo
+        repo = os.path.dirname(os.path.dirname(root))
+        if os.path.basename(os.path.dirname(root)) == "snapshots" and real.startswith(os.path.join(repo, "blobs") + os.sep):
+            return
+        raise HFError(f"{os.path.join(self.path, fn)}: resolves to {real}, outside the model directory {self.path}")
 
     def keys(self):
         return self.meta.keys()
@@ -78,40 +120,46 @@ class HFReader:
         return n
 
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
-        """Read ``box`` of tensor ``name`` (rows/cols ranges) through the mmap, copying only those bytes."""
-        fn = self.meta[name][0]
-        sl = self._handles[fn].get_slice(name)
+        """Read ``box`` of tensor ``name`` with preadv from its byte range (no mmap: a file larger than memory
+        reads fine; memory follows the box)."""
+        from .engine import EngineError, read_rec_box
+
+        rec = self.records()[name]
+        fd = self._fds.get(rec.path)
+        if fd is None:
+            try:
+                fd = self._fds.setdefault(rec.path, os.open(rec.path, os.O_RDONLY))
+            except OSError as e:
+                raise HFError(f"{rec.path}: cannot open ({e.strerror})") from None
         try:
-            if box is None:
-                return sl[:]
-            return sl[tuple(slice(a, b) for a, b in box)]
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise HFError(f"{self.path}/{fn}: cannot read {name} ({e})") from None
+            return read_rec_box(rec, box, fd)
+        except EngineError as e:
+            raise HFError(str(e)) from None
+
+    def close(self):
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def records(self) -> dict:
         """Name -> engine :class:`~ckpt_tools.engine.Rec` (file, absolute data offset, shape, dtype), from the
         safetensors headers (8-byte little-endian length, JSON with ``data_offsets`` relative to the data
-        section). The engine reads these byte ranges with copy_file_range / preadv instead of the mmap."""
+        section, checked at open). The engine reads these byte ranges with copy_file_range / preadv."""
         if self._records is None:
             from .engine import Rec
 
-            recs = {}
-            for fn in self.files:
-                fp = os.path.join(self.path, fn)
-                base, hdr = _read_header(fp)
-                for k, v in hdr.items():
-                    if k == "__metadata__" or k not in self.meta:
-                        continue
-                    _, shp, dt = self.meta[k]
-                    a, b = v["data_offsets"]
-                    if b - a != _prod(shp) * dt.itemsize:
-                        raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {_prod(shp) * dt.itemsize}")
-                    recs[k] = Rec(fp, base + a, tuple(shp), dt, what=k)
-            self._records = recs
+            self._records = {k: Rec(fp, off, shp, dt, what=k) for k, (fp, off, shp, dt) in self._rec_args.items()}
         return self._records
 
-    def validate(self, expected: dict[str, tuple]) -> torch.dtype:
-        """Every expected tensor present with the expected shape; one dtype; returns it."""
+    def validate(self, expected: dict[str, tuple]) -> torch.dtype | None:
+        """Every expected tensor present with the expected shape; returns the dtype when all tensors share
+        one, None when they are mixed (each tensor then converts in its own dtype)."""
         missing = [k for k in expected if k not in self.meta]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -123,26 +171,60 @@ class HFReader:
         if extra:
             raise HFError(f"{self.path}: unexpected tensor {extra[0]} (not in the {len(expected)} the config implies)")
         dts = {self.meta[k][2] for k in expected}
-        if len(dts) != 1:
-            raise HFError(f"{self.path}: mixed dtypes {sorted(map(str, dts))}")
-        # A truncated data section is caught by safe_open (header vs file size); double-check sizes.
+        # A truncated data section is caught at open (_read_header(check=True)); double-check sizes.
         for fn in self.files:
             fp = os.path.join(self.path, fn)
             base, hdr = _read_header(fp)
             end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
             if os.path.getsize(fp) < base + end:
                 raise HFError(f"{fp}: truncated ({os.path.getsize(fp)} bytes, header needs {base + end})")
-        return dts.pop()
+        return dts.pop() if len(dts) == 1 else None
 
 
-def _read_header(fp: str) -> tuple[int, dict]:
-    """(start of the data section, header dict) of a safetensors file."""
+MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def _read_header(fp: str, check: bool = False) -> tuple[int, dict]:
+    """(start of the data section, header dict) of a safetensors file. ``check``: validate it as safetensors'
+    own reader does (header length within the file and 100 MB, every tensor's dtype, shape and
+    ``data_offsets`` consistent, the tensors tiling the data section, which ends at the end of the file),
+    without mapping the file."""
+    size = os.path.getsize(fp)
     with open(fp, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 0 or n > min(MAX_HEADER, size - 8):
+            raise HFError(f"{fp}: cannot open safetensors file (header length {n} does not fit the {size}-byte "
+                          f"file); is it truncated?")
         try:
             hdr = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HFError(f"{fp}: corrupt safetensors header ({e})") from None
+    if not isinstance(hdr, dict):
+        raise HFError(f"{fp}: corrupt safetensors header (not a JSON object)")
+    if check:
+        spans = []
+        for k, v in hdr.items():
+            if k == "__metadata__":
+                continue
+            try:
+                dt, shp, (a, b) = _dtype(v["dtype"]), v["shape"], v["data_offsets"]
+                ok = all(isinstance(x, int) and x >= 0 for x in (*shp, a, b))
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise HFError(f"{fp}: corrupt safetensors header entry for {k}")
+            if b - a != _prod(shp) * dt.itemsize:
+                raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {_prod(shp) * dt.itemsize}")
+            spans.append((a, b, k))
+        pos = 0
+        for a, b, k in sorted(spans):
+            if a != pos:
+                raise HFError(f"{fp}: corrupt safetensors header: {k} starts at data byte {a}, expected {pos}")
+            pos = b
+        if 8 + n + pos != size:
+            what = "truncated" if 8 + n + pos > size else "has trailing bytes"
+            raise HFError(f"{fp}: {what} ({size} bytes, header needs {8 + n + pos}); is it truncated?")
     return 8 + n, hdr
 
 
@@ -215,7 +297,7 @@ class HFShardWriter:
             if fn not in self._fds:
                 self._fds[fn] = os.open(os.path.join(self.out_dir, fn + ".tmp"), os.O_WRONLY)
             fd = self._fds[fn]
-        buf = t.contiguous().view(torch.uint8).numpy() if t.numel() else b""
+        buf = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         pwrite_all(fd, memoryview(buf).cast('B') if len(buf) else b'', self.offset_of[name])
         with self._lock:
             self.written.add(name)

