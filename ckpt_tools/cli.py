@@ -36,9 +36,12 @@ def _add_megatron_topology(p):
                    help="uneven PP: layers on the last stage")
     g.add_argument("--layer-list", type=_layers, default=None,
                    help="explicit layers per stage, e.g. 11,12,12,12,12,12,12,11 (must sum to the layer count)")
-    g.add_argument("--spec", choices=["te", "local"], default="te",
-                   help="megatron layer spec whose key names to write: te (Transformer Engine, what verl builds; "
-                        "also MindSpeed's names) or local (megatron-core modules) (default te)")
+    g.add_argument("--spec", choices=["te", "local", "mindspeed"], default="te",
+                   help="the loader whose key set to write: te (Transformer Engine layer spec, what verl builds on "
+                        "GPU), mindspeed (Ascend: TE names, only linear_proj's _extra_state object; loads under "
+                        "StrictHandling.RAISE_ALL there) or local (megatron-core modules). Default te: its object "
+                        "set is a superset of mindspeed's, so it loads under verl on GPU and NPU alike (verl loads "
+                        "with ASSUME_OK_UNEXPECTED, which ignores objects the model does not ask for)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_div",
                    help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl)")
 
@@ -87,22 +90,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
 
-    p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> what vLLM loads with --load-format sharded_state")
-    p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir")
-    p.add_argument("--to", choices=["vllm"], default="vllm", help="target (vllm)")
+    p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards (--to vllm); Megatron "
+                                        "-> Megatron for another topology and/or loader spec (--to mcore)")
+    p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir (--to mcore: a dist-checkpoint dir)")
+    p.add_argument("--to", choices=["vllm", "mcore"], default="vllm",
+                   help="target: vllm (per-rank shards) or mcore (a torch_dist checkpoint for the Megatron topology "
+                        "and --spec below: model weights only, optimizer/rng/other entries dropped, no key prefix; "
+                        "needs --hf-config)")
     p.add_argument("--out", required=True, help="output dir: model-rank-{r}-part-0.safetensors per TP rank (with --dp > 1 "
                                                  "and expert parallel: one dir dp_{k} per DP rank), config + tokenizer "
                                                  "files, vllm_layout.json; serve with vllm serve OUT --load-format "
-                                                 "sharded_state --tensor-parallel-size T")
-    p.add_argument("--tp", type=int, required=True, help="vLLM tensor-parallel size")
+                                                 "sharded_state --tensor-parallel-size T (--to mcore: a dist-checkpoint "
+                                                 "dir as hf2mcore writes)")
+    p.add_argument("--tp", type=int, default=None, help="vLLM tensor-parallel size (required for --to vllm); "
+                                                        "--to mcore: Megatron TP (default 1)")
     p.add_argument("--dp", type=int, default=1, help="vLLM data-parallel size (default 1)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM expert parallel: EP = TP x DP, MoE TP 1")
-    p.add_argument("--ep", type=int, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp)")
+    p.add_argument("--ep", type=int, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp); "
+                                                        "--to mcore: Megatron EP (default 1)")
     p.add_argument("--vllm-version", default=None,
                    help="the vLLM that will load it, as vllm.__version__ prints it (its file and tensor names and "
                         f"extra buffers differ by version); known: {', '.join(vllm_names.known())} "
                         f"({vllm_names.USERS_VERSION} = the users' vLLM, commit 38217877); default: the installed "
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
+    g = p.add_argument_group("--to mcore: Megatron target topology and spec (as hf2mcore)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: = --tp)")
+    g.add_argument("--num-layers-in-first-pipeline-stage", type=int, default=None, dest="first",
+                   help="uneven PP: layers on stage 0")
+    g.add_argument("--num-layers-in-last-pipeline-stage", type=int, default=None, dest="last",
+                   help="uneven PP: layers on the last stage")
+    g.add_argument("--layer-list", type=_layers, default=None, help="explicit layers per stage (sums to the layer count)")
+    g.add_argument("--spec", choices=["te", "local", "mindspeed"], default=None,
+                   help="loader key set to write (default te; see hf2mcore --help)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_div",
+                   help="pad the vocab rows with zeros to a multiple of N (default: no padding; source padding is "
+                        "stripped)")
     p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
@@ -304,7 +327,30 @@ def _run(args) -> int:
         print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
               f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
         return 0
+    if args.cmd == "reshard" and args.to == "mcore":
+        vllm_only = [f for f, v in (("--dp", args.dp != 1), ("--enable-expert-parallel", args.enable_expert_parallel)) if v]
+        if vllm_only:
+            print(f"ckpt-tools reshard: error: {vllm_only[0]} is a vLLM flag; --to mcore takes --pp/--tp/--ep/--etp",
+                  file=sys.stderr)
+            return 2
+        r = convert.mcore2mcore(args.src, args.out, args.hf_config, pp=args.pp, tp=args.tp or 1, ep=args.ep or 1,
+                                etp=args.etp, first=args.first, last=args.last, layer_list=args.layer_list,
+                                spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
+                                overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
+                                progress=prog, direct_io=not args.buffered_io, io_threads=args.io_threads)
+        print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
+              f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
+              f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
+              f"{r['source_prefix']!r} removed)")
+        return 0
     if args.cmd == "reshard":
+        vllm_set = [f for f, v in (("--pp", args.pp != 1), ("--etp", args.etp), ("--num-layers-in-first-pipeline-stage", args.first),
+                                   ("--num-layers-in-last-pipeline-stage", args.last), ("--layer-list", args.layer_list),
+                                   ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec)) if v]
+        if args.tp is None or vllm_set:
+            why = "--tp is required" if args.tp is None else f"{vllm_set[0]} applies to --to mcore only"
+            print(f"ckpt-tools reshard: error: --to vllm: {why}", file=sys.stderr)
+            return 2
         r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                             ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
                             overwrite=args.overwrite, prefix=args.prefix, progress=prog, max_memory=args.max_memory,
@@ -412,7 +458,9 @@ def _run(args) -> int:
         if v.kind == "mcore":
             info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                         files=len({si.relative_path for si in v.ckpt.storage.values()}))
+            info["loaders"] = v.loaders()
         from .verify import inspect_checks
+        from .views import format_loaders
 
         chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
         info["manifest"] = chk["manifest"]
@@ -421,7 +469,7 @@ def _run(args) -> int:
             info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
             info["integrity"] = v.integrity() or "ok"
         for k, val in info.items():
-            print(f"{k:>12}: {val}")
+            print(f"{k:>12}: {format_loaders(val) if k == 'loaders' else val}")
         _dump(info, args.json)
         return 0
     return 2

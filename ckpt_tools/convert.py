@@ -1,4 +1,4 @@
-"""The conversion directions: hf2mcore, mcore2hf, reshard (to vLLM per-rank shards)."""
+"""The conversion directions: hf2mcore, mcore2hf, reshard (to vLLM per-rank shards), mcore2mcore."""
 from __future__ import annotations
 
 import json
@@ -53,22 +53,21 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
     view = HFView(hf, cfg)
-    dt = _dtype(dtype, None)
-    if dt is None:  # default: each key in the dtype its HF tensors are stored in (fp32 norms stay fp32)
-        srcs = {}
-        for (key, _), segs in layout.segment_index().items():
-            srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
-        key_dt = {k: widest(v) for k, v in srcs.items()}
-        dt = key_dt.__getitem__
+    dt = _dtype(dtype, None) or _key_dtypes(layout, view)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
                            progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads,
                            inputs=inputs)
-    with open(os.path.join(out, SIDE_CAR), "w") as f:
-        json.dump({"source": os.path.abspath(hf), "spec": spec, "dtype": _dt_name(dt, layout.tensors), "pp": par.pp, "tp": par.tp,
-                   "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage),
-                   "world": par.world, "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}, f, indent=1)
+    _side_car(out, hf, spec, _dt_name(dt, layout.tensors), par, layout, cfg)
     res.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
     return res
+
+
+def _key_dtypes(layout, view):
+    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32)."""
+    srcs = {}
+    for (key, _), segs in layout.segment_index().items():
+        srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
+    return {k: widest(v) for k, v in srcs.items()}.__getitem__
 
 
 def _dt_name(dt, keys) -> str:
@@ -76,6 +75,51 @@ def _dt_name(dt, keys) -> str:
     if not callable(dt):
         return str(dt)
     return "+".join(sorted({str(dt(k)) for k in keys}))
+
+
+def _side_car(out, src, spec, dtname, par, layout, cfg, **extra):
+    with open(os.path.join(out, SIDE_CAR), "w") as f:
+        json.dump({"source": os.path.abspath(src), "spec": spec, "dtype": dtname, "pp": par.pp, "tp": par.tp,
+                   "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage),
+                   "world": par.world, "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type, **extra},
+                  f, indent=1)
+
+
+def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
+                layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
+                vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8) -> dict:
+    """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
+    without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
+    loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
+    and other entries dropped, no key prefix), the target spec's _extra_state objects, each target rank's
+    chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore."""
+    if not hf_config:
+        raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
+    inputs = {"--from": src, "--hf-config": hf_config}
+    check_out(out, "mcore", overwrite, inputs, FormatError)  # before any work
+    cfg = load_config(hf_config)
+    if not (os.path.isfile(os.path.join(src, "metadata.json")) or os.path.isfile(os.path.join(src, ".metadata"))):
+        raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
+                          f"for an HF source use hf2mcore")
+    view = McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20)
+    problems = view.integrity()
+    if problems:
+        raise FormatError(f"{src}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
+    layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
+    layout.validate()
+    dt = _dtype(dtype, None) or _key_dtypes(layout, view)
+    res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory, progress=progress,
+                           overwrite=overwrite, direct_io=direct_io, io_threads=io_threads, inputs=inputs,
+                           label="reshard")
+    dropped = sorted(set(view.ckpt.tensors) - set(view.layout.tensors)) + sorted(
+        o for o in view.ckpt.objects if not o.startswith(view.ckpt.prefix + "decoder.")
+        and not o.startswith(view.ckpt.prefix + "embedding.") and not o.startswith(view.ckpt.prefix + "output_layer."))
+    _side_car(out, src, spec, _dt_name(dt, layout.tensors), par, layout, cfg, source_prefix=view.ckpt.prefix,
+              source_spec=view.spec, dropped_entries=len(dropped))
+    res.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors), source_prefix=view.ckpt.prefix,
+               dropped=len(dropped), source_loaders=view.loaders())
+    return res
 
 
 def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8, hashes=None):

@@ -12,7 +12,7 @@ from .layout import (Box, Chunk, LayoutError, MegatronParallel, Segment, VllmPar
                      megatron_chunks, pad_vocab, split_range, vllm_expert_range)
 from .model_config import ModelConfig
 
-SPECS = ("te", "local")
+SPECS = ("te", "local", "mindspeed")  # loader specs: converters/*.py EXTRA_STATE / WEIGHT_NAMES
 
 
 @dataclass
@@ -148,7 +148,7 @@ class MegatronLayout:
             if not _where_ok(row, cfg):
                 continue
             mk = row["mcore"]
-            mk = mk[spec] if isinstance(mk, dict) else mk
+            mk = mk[table.WEIGHT_NAMES[spec]] if isinstance(mk, dict) else mk
             key = prefix + table.LAYER_PREFIX_MCORE + mk
             names = _as_tuple(row["hf"])
             compose = row.get("compose", "same")

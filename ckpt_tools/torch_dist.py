@@ -138,7 +138,8 @@ def chunk_pieces(layout, chunk):
 
 def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
                      max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
-                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None) -> dict:
+                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
+                     label: str = "hf2mcore") -> dict:
     """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
 
     ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
@@ -202,7 +203,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
                     ops.append(Op(srec, sbox, rec, map_sub(hbox, dbox, hsub) if hsub != hbox else dbox))
             yield rec, ops
 
-    bar = Progress(total, "hf2mcore", enabled=progress)
+    bar = Progress(total, label, enabled=progress)
     t0 = time.time()
     try:
         for r in ranks:

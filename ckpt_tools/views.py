@@ -72,7 +72,12 @@ class HFView:
 
 
 def detect_spec(keys, prefix: str) -> str:
+    """Weight-name spec: ``te`` names (TE and MindSpeed loaders) or ``local``. Which loaders' _extra_state
+    objects are present is a separate question: :meth:`McoreView.loaders`."""
     return "te" if any(k == prefix + "decoder.layers.pre_mlp_layernorm.weight" for k in keys) else "local"
+
+
+LOADERS = ("te", "local", "mindspeed")  # mapping.SPECS: what McoreView.loaders() reports on
 
 
 class McoreView:
@@ -143,17 +148,50 @@ class McoreView:
                     yield (self.ckpt.record(seg.key, cbox, si), box_shift(inter, [b[0] for b in cbox]),
                            seg.target_to_hf(inter))
 
+    def positions(self) -> dict:
+        """HF name -> (file, byte offset) of the first stored chunk holding it: writing a checkpoint from this
+        one in that order streams each source file front to back."""
+        out = {}
+        for name, segs in self.hf_index.items():
+            best = None
+            for seg in segs:
+                for cbox, si in self.ckpt.chunk_query(seg.key, seg.box):
+                    if box_intersect(cbox, seg.box) is not None:
+                        p = (si.relative_path, si.offset)
+                        best = p if best is None or p < best else best
+            out[name] = best or ("\uffff", 0)
+        return out
+
+    def loaders(self) -> dict:
+        """Per loader spec (te, local, mindspeed): would megatron-core load this checkpoint into a model built
+        with that spec? ``missing``: tensor keys and _extra_state objects (one per shard key
+        ``{key}/shard_..``) the loader asks for and the checkpoint lacks (megatron-core's load fails, whatever
+        its strictness); ``unexpected``: model _extra_state objects stored that the loader does not ask for
+        (harmless under StrictHandling.ASSUME_OK_UNEXPECTED, megatron's default and what verl passes; an
+        error under RAISE_ALL). megatron-core's validation.py names these two the other way round
+        (_determine_missing_and_unexpected_keys). ``ok``: nothing missing. Weight coverage is
+        :meth:`integrity`'s business, not this."""
+        p = self.ckpt.prefix
+        roots = {k[len(p):].split(".")[0] for k in self.layout.tensors}  # embedding, decoder, output_layer
+        stored = {o for o in self.ckpt.objects if o.startswith(p) and o[len(p):].split(".")[0] in roots}
+        out = {}
+        for spec in LOADERS:
+            lay = MegatronLayout(self.cfg, spec, None, prefix=p)
+            miss = [k for k in lay.tensors if k not in self.ckpt.tensors]
+            want = {lay.object_dcp_key(k, s, o) for k, s, o in lay.objects}
+            miss += sorted(want - stored)
+            out[spec] = dict(ok=not miss, missing=len(miss), unexpected=len(stored - want),
+                             first_missing=miss[0] if miss else None)
+        return out
+
     def integrity(self) -> list[str]:
-        """Coverage of every key (a gap loads silently as zeros) and presence of the spec's _extra_state."""
+        """Coverage of every key (a gap loads silently as zeros) and zero vocab padding. Which loaders the
+        checkpoint's _extra_state objects serve is :meth:`loaders`: any set is readable."""
         out = []
         for key in self.layout.tensors:
             ok, why = self.ckpt.coverage(key)
             if not ok:
                 out.append(f"{key}: chunks do not cover the tensor exactly once: {why}")
-        for key, shape, offset in self.layout.objects:
-            dk = self.layout.object_dcp_key(key, shape, offset)
-            if dk not in self.ckpt.objects:
-                out.append(f"missing _extra_state object {dk} (megatron's loader fails without it)")
         for key in self.layout.tensors:
             row = self.layout._rows[key]
             if row.get("vocab") and self.ckpt.shape(key)[0] > self.cfg.vocab:
@@ -161,6 +199,21 @@ class McoreView:
                 if pad.count_nonzero():
                     out.append(f"{key}: vocab padding rows are not zero")
         return out
+
+
+def format_loaders(rep: dict) -> str:
+    """``te: no (127 objects missing), local: no (weight names differ), mindspeed: yes`` from McoreView.loaders()."""
+    parts = []
+    for spec, r in rep.items():
+        if r["ok"]:
+            extra = f" (+{r['unexpected']} objects it does not ask for: fine unless loaded with RAISE_ALL)" \
+                if r["unexpected"] else ""
+            parts.append(f"{spec}: yes{extra}")
+        elif "/shard_" not in r["first_missing"]:
+            parts.append(f"{spec}: no (weight names differ, e.g. {r['first_missing']})")
+        else:
+            parts.append(f"{spec}: no ({r['missing']} objects missing, e.g. {r['first_missing']})")
+    return ", ".join(parts)
 
 
 def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int, str]:

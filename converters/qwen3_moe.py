@@ -65,14 +65,25 @@ LAYER = [
          vllm=("mlp.down_proj.weight", "col")),
 ]
 
-# `_extra_state` ShardedObjects each spec's GPTModel.sharded_state_dict() asks for (the loader fails on a
-# missing one). layer: one object per layer (global shape (L,)); expert: one per (layer, expert).
-# Local spec: read off a real megatron-core 0.12.1 GPTModel in tests/test_megatron_reference.py.
-# TE spec: TE modules (TELayerNormColumnParallelLinear, TEDotProductAttention, TERowParallelLinear, TENorm,
-# TE GroupedLinear) all carry _extra_state; megatron wraps each as a ShardedObject
-# (make_sharded_tensors_for_checkpoint / TEGroupedLinear._sharded_state_dict_grouped). Writing objects the
-# loading spec does not ask for is harmless (unexpected keys are ignored), so the TE set is a superset that
-# also serves MindSpeed, which keeps TE names but requests fewer objects.
+# Which row names each loader spec uses for the weights (the ``mcore`` dicts above are keyed by these).
+# MindSpeed keeps the TE module names (it swaps TE's classes for its own under the same attribute names).
+WEIGHT_NAMES = {"te": "te", "local": "local", "mindspeed": "te"}
+
+# `_extra_state` ShardedObjects each loader spec's GPTModel.sharded_state_dict() asks for (megatron's loader
+# fails on a missing one). layer: one object per layer (global shape (L,)); expert: one per (layer, expert).
+# local: read off a real megatron-core 0.12.1 GPTModel (get_gpt_decoder_block_spec(use_transformer_engine=False))
+#   in tests/test_megatron_reference.py (its own save has exactly these objects).
+# te: TE modules (TELayerNormColumnParallelLinear, TEDotProductAttention, TERowParallelLinear, TENorm,
+#   TE GroupedLinear) all carry _extra_state; megatron wraps each as a ShardedObject
+#   (megatron/core/transformer/utils.py make_sharded_object_for_checkpoint via
+#   make_sharded_tensors_for_checkpoint; megatron/core/extensions/transformer_engine.py
+#   TEGroupedLinear._sharded_state_dict_grouped). Read from source: TE needs CUDA, so it is not built here.
+# mindspeed: MindSpeed commit 1cdd0ab's adaptor (repatch, as verl 796871d7d runs it on Ascend), TE layer spec with
+#   moe_grouped_gemm (TEGroupedMLP): read off such a model built on CPU with MindSpeed's own code
+#   (../shared/docs/mindspeed-keyset.json): only linear_proj's object, one per layer; MindSpeed saves that same
+#   set. Its dense-MLP entry (linear_fc2, the same row-parallel class as linear_proj) is by analogy, not observed.
+# A checkpoint with more objects than a loader asks for loads under megatron's default
+# StrictHandling.ASSUME_OK_UNEXPECTED (what verl passes); under RAISE_ALL every object must be asked for.
 EXTRA_STATE = {
     "local": {
         "layer": ["self_attention.linear_qkv._extra_state", "self_attention.linear_proj._extra_state"],
@@ -88,5 +99,11 @@ EXTRA_STATE = {
         "layer_dense": ["mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state"],
         "expert": ["mlp.experts.experts.linear_fc1._extra_state", "mlp.experts.experts.linear_fc2._extra_state"],
         "global": ["decoder.final_layernorm._extra_state"],
+    },
+    "mindspeed": {
+        "layer": ["self_attention.linear_proj._extra_state"],
+        "layer_dense": ["mlp.linear_fc2._extra_state"],
+        "expert": [],
+        "global": [],
     },
 }

@@ -8,6 +8,10 @@ python tests/mcore_worker.py '<json>' with keys:
         with the same reference transform first, so the saved checkpoint equals the HF model)
   keys_out: dump every ShardedTensor / ShardedObject the model asks for (key, global shape, offsets, replica)
   forward: token ids -> logits (gathered over TP), written to out/logits.pt
+  loads: [{"dir", "as": local|te|mindspeed, "strict": raise_all|assume_ok_unexpected}] - load each dir in turn
+        with the key set that loader asks for (see ``ask_as``), then compare every parameter with HF as ``load``
+  (MindSpeed cannot be installed and TE needs CUDA, so ``as`` te/mindspeed edits this real local-spec model's
+  request; see ask_as)
   out: result dir (rank_{r}.json per rank)
 """
 import json
@@ -63,9 +67,67 @@ def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts
     raise KeyError(name)
 
 
+TE_ONLY_LAYER_OBJECTS = ["self_attention.core_attention", "self_attention.q_layernorm",
+                         "self_attention.k_layernorm", "pre_mlp_layernorm"]
+
+
+def ask_as(model, as_, last_stage):
+    """The sharded state dict a model built for loader ``as_`` asks for, made from this real local-spec model:
+
+    * weights: TE and MindSpeed name the pre-MLP norm ``pre_mlp_layernorm.weight`` (TENorm / MindSpeed's RMSNorm
+      in get_gpt_layer_with_transformer_engine_spec) where the local spec maps it to
+      ``mlp.linear_fc1.layer_norm_weight`` (get_gpt_layer_local_spec's sharded_state_dict_keys_map, applied by
+      TransformerLayer.sharded_state_dict): so drop that one map entry and let megatron name it. The input norm
+      is ``self_attention.linear_qkv.layer_norm_weight`` in all three.
+    * objects: ``mindspeed`` keeps only linear_proj's _extra_state (what MindSpeed's model asks for,
+      ../shared/docs/mindspeed-keyset.json); ``te`` adds, per layer, the objects of TE's modules this model does
+      not have (TEDotProductAttention, q/k TENorm, pre-MLP TENorm: clones of megatron's own linear_proj object with
+      the key changed, so the same shard key scheme) and decoder.final_layernorm's on the last stage.
+    Returns the sharded state dict (added entries under ``_te_only.*``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for m in layers:
+        if not hasattr(m, "_orig_keys_map"):
+            m._orig_keys_map = dict(m.submodules_config.sharded_state_dict_keys_map)
+        km = dict(m._orig_keys_map)
+        if as_ in ("te", "mindspeed"):
+            km.pop("pre_mlp_layernorm.", None)
+        m.submodules_config.sharded_state_dict_keys_map = km
+    sd = model.sharded_state_dict()
+
+    def walk(d):
+        for k in list(d):
+            v = d[k]
+            if isinstance(v, dict):
+                walk(v)
+            elif isinstance(v, ShardedObject):
+                if as_ == "mindspeed" and not v.key.endswith("self_attention.linear_proj._extra_state"):
+                    del d[k]
+                elif as_ == "te" and v.key.endswith("self_attention.linear_proj._extra_state"):
+                    for name in TE_ONLY_LAYER_OBJECTS:
+                        nk = f"_te_only.{name}.{k}"
+                        d[nk] = ShardedObject(v.key.replace("self_attention.linear_proj", name), None,
+                                              v.global_shape, v.global_offset, v.replica_id)
+
+    walk(sd)
+    if as_ == "te" and last_stage:
+        from megatron.core import parallel_state as ps
+
+        sd["_te_only.final_layernorm"] = ShardedObject("decoder.final_layernorm._extra_state", None, (1,), (0,),
+                                                       (0, ps.get_tensor_model_parallel_rank(),
+                                                        ps.get_data_parallel_rank(with_context_parallel=True)))
+    return sd
+
+
 def run(rank, world, a):
     from ckpt_tools import _mcore_cpu
 
+    if a.get("dump_after"):  # debugging a hang: every rank prints its stack after this many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(a["dump_after"], exit=True)
     _mcore_cpu.init_process(rank, world, a["port"])
     _mcore_cpu.allow_tp_ep_without_sp()
     import megatron.core.tensor_parallel as tpar
@@ -158,6 +220,36 @@ def run(rank, world, a):
             if prm.shape != want.shape or not torch.equal(prm.detach(), want.to(prm.dtype)):
                 bad.append(n)
         res["checked"], res["bad"] = checked, bad
+    res["loads"] = []
+    for spec in a.get("loads", ()):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values as nv
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        r = {"as": spec["as"], "dir": spec["dir"]}
+        sd = ask_as(model, spec["as"], ps.is_pipeline_last_stage())
+        r["keys"] = sorted({v.key for v in nv(sd) if isinstance(v, ShardedBase)})
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm.fill_(12345.0)
+        try:
+            loaded = dist_checkpointing.load(sd, spec["dir"], strict=StrictHandling(spec.get("strict", "raise_all")))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            r["error"] = f"{type(e).__name__}: {e}"[:2000]
+            res["loads"].append(r)
+            continue
+        # the objects of TE modules this model does not have: loaded, nothing to put them in
+        loaded = {k: v for k, v in loaded.items() if not k.startswith("_te_only")}
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+        r["missing"] = [k for k in missing if not k.endswith("_extra_state")]
+        r["unexpected"] = list(unexpected)
+        bad, checked = [], 0
+        for n, prm in model.named_parameters():
+            want = reference_local_tensor(n, hf, cfg, ranks, offset, nle)
+            checked += 1
+            if prm.shape != want.shape or not torch.equal(prm.detach(), want.to(prm.dtype)):
+                bad.append(n)
+        r["checked"], r["bad"] = checked, bad
+        res["loads"].append(r)
     if a.get("forward"):
         assert pp == 1
         ids = torch.tensor(a["forward"], dtype=torch.long)
