@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("mcore2hf", help="Megatron-core torch_dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True, help="dist-checkpoint dir (ours or megatron-core's own, any topology; "
-                                                   "verl's global_step_N/actor/dist_ckpt works: the 'model.' prefix is detected)")
+                                                   "verl's global_step_N/actor/dist_ckpt works; a key prefix, if any, is detected)")
     p.add_argument("--out", required=True, help="output HF dir")
     p.add_argument("--hf-config", required=True, help="HF dir (or config.json) describing the model; its tokenizer/"
                                                        "generation files are copied")

@@ -89,9 +89,10 @@ def ask_as(model, as_, last_stage):
 
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for m in layers:
-        if not hasattr(m, "_orig_keys_map"):
-            m._orig_keys_map = dict(m.submodules_config.sharded_state_dict_keys_map)
-        km = dict(m._orig_keys_map)
+        sub = m.submodules_config  # one spec object shared by every layer: keep its original map on it
+        if not hasattr(sub, "_orig_keys_map"):
+            sub._orig_keys_map = dict(sub.sharded_state_dict_keys_map)
+        km = dict(sub._orig_keys_map)
         if as_ in ("te", "mindspeed"):
             km.pop("pre_mlp_layernorm.", None)
         m.submodules_config.sharded_state_dict_keys_map = km

@@ -86,10 +86,12 @@ def ckpts(tiny_hf, tmp_path_factory):
                        "--num-layers-in-last-pipeline-stage", "2", "--ep", "2", "--etp", "1", "--no-progress"])
         assert rc == 0
     convert.mcore2mcore(d["ms"], d["ms2te"], tiny_hf, spec="te", progress=False, **SRC_TOPO)
-    # megatron loads the mindspeed output (as MindSpeed's model asks) and the re-cut local checkpoint (as the
-    # local spec asks), both under RAISE_ALL. (The te-emulated load and two RAISE_ALL refusal controls were
-    # written too but hung in megatron's load collectives when only rank 0 raised: left out, see the issue note.)
-    loads = [dict(dir=d["ms"], **{"as": "mindspeed"}), dict(dir=d["loc"], **{"as": "local"})]
+    loads = [dict(dir=d["ms"], **{"as": "mindspeed"}), dict(dir=d["loc"], **{"as": "local"}),
+             dict(dir=d["te"], **{"as": "te"}),
+             # controls: RAISE_ALL really is strict here
+             dict(dir=d["te"], **{"as": "mindspeed"}),   # te's extra objects are not requested: refused
+             dict(dir=d["train"], **{"as": "local"})]    # optimizer/rng entries are not requested: refused
+    # (megatron raises these on every rank alike: validation.py computes the keys from all ranks' requests)
     res, _ = run_megatron(str(t), hf=tiny_hf, loads=loads, **DST_TOPO)
     assert len(res) == 6
     return d, res
@@ -121,10 +123,21 @@ def test_mindspeed_keyset_is_our_layout_and_megatron_loads_it_raise_all(ckpts, t
     assert len(objs) == cfg.layers and tensors | {o.split("/")[0] for o in objs} == want
 
 
+def test_raise_all_controls_fail(ckpts):
+    """The same loader refuses what it should: so the passes above are not a lax loader's."""
+    _, res = ckpts
+    for i, why in ((3, "te objects unrequested"), (4, "optimizer entries unrequested")):
+        errs = [r.get("error") for r in _load(res, i)]
+        assert all(errs), (why, errs)
+    assert any("core_attention._extra_state" in e for e in (r["error"] for r in _load(res, 3)))
+    assert any("optimizer.state" in e or "rng_state" in e for e in (r["error"] for r in _load(res, 4)))
+
+
 def test_reshard_to_mcore_local_and_te_load_in_megatron(ckpts, tiny_hf):
     """local at TP1/PP2/EP4 with optimizer state -> local and te at uneven PP3/TP2/EP2/ETP1, loaded strictly."""
     d, res = ckpts
-    _ok(_load(res, 1))  # local: loaded by a real local-spec model; te: key sets and values checked below
+    _ok(_load(res, 1))
+    _ok(_load(res, 2))
     cfg = load_config(tiny_hf)
     hv = HFView(tiny_hf)
     for name, spec in (("loc", "local"), ("te", "te")):
