@@ -145,3 +145,42 @@ def test_transport_colocated_and_baseline_counters(tmp_path):
         b = d["baseline"]
         assert d["baseline_bad"] == [] and b["recv_bytes"] == st["model_bytes"] > 1.9 * o["recv_bytes"]
 
+
+def test_transport_disjoint_with_dp_replicas(tmp_path):
+    """Actor TP2 x DP2 on ranks 0-3 (every chunk on 2 ranks), rollout vLLM TP2 on ranks 4-5."""
+    res, _ = run_worker(tmp_path, world=6, mode="fake", mpar={"tp": 2}, vpar={"tp": 2},
+                        kw={"actor_dp": 2, "rollout_ranks": [4, 5], "bucket_bytes": 100000})
+    for r in (4, 5):
+        assert res[r]["bad"] == [] and res[r]["unexpected"] == [] and "error" not in res[r], res[r]
+    sent = [res[r]["ours"]["sent_bytes"] for r in range(4)]
+    assert min(sent) > 0 and max(sent) <= 1.2 * min(sent), sent  # both replicas used, evenly
+    assert all(res[r]["ours"]["recv_bytes"] == 0 for r in range(4))
+
+
+@pytest.mark.parametrize("fault,expect", [
+    ("mismatch", r"refused before any transfer: rank \d planned 'actor .*' \(fingerprint \w+\) but rank \d planned"),
+    ("model", r"refused before any transfer: rank 1: the Megatron model on rank 1 has no chunk "
+              r"decoder.layers.mlp.router.weight"),
+])
+def test_mismatch_refused_before_any_byte(tmp_path, fault, expect):
+    import re
+
+    res, _ = run_worker(tmp_path, world=2, fault=fault, **FAKE)
+    for r in (0, 1):
+        err = res[r]["error"]
+        assert re.search(expect, err) and "\n" not in err and err.endswith("vLLM weights not modified"), err
+        assert res[r]["calls"] == 0  # nothing reached vLLM
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_dead_or_stalled_peer_fails_within_timeout(tmp_path, fault):
+    """Rank 1 dies (os._exit) / stalls (sleeps 40 s) while vLLM takes its 2nd bucket: rank 0 raises a one-line
+    error within the 4 s timeout that says how much of its vLLM was updated."""
+    res, _ = run_worker(tmp_path, world=2, fault=fault, timeout_s=4, stall_s=40, expect=1, **FAKE)
+    d = res[0]
+    assert d["elapsed"] < 30, d
+    assert "\n" not in d["error"] and "weight sync failed in bucket" in d["error"], d["error"]
+    import re
+
+    m = re.search(r"vLLM weights partially updated: (\d+) of (\d+) tensors$", d["error"])
+    assert m and 0 < int(m[1]) < int(m[2]) and d["calls"] > 0, d["error"]
