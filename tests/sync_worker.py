@@ -241,7 +241,9 @@ def _build_megatron(a, hfcfg):
         layernorm_epsilon=hfcfg["rms_norm_eps"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         num_layers_in_first_pipeline_stage=lst[0] if lst else None,
-        num_layers_in_last_pipeline_stage=lst[-1] if lst else None, hidden_dropout=0.0, attention_dropout=0.0,
+        # megatron 0.12.1 (transformer_config.py __post_init__) divides the rest among the middle stages: with
+        # PP2 there are none when both are given, so PP2 names the first stage only (the last takes the rest)
+        num_layers_in_last_pipeline_stage=lst[-1] if lst and pp > 2 else None, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True, **moe)
