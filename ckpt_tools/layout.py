@@ -312,7 +312,9 @@ def megatron_chunks(key: str, shape: Sequence[int], lead: Sequence[int], shard: 
             return par.dense_rank(stage, r)
 
     out = []
-    if shard == "rep" or t == 1 and shard in ("row", "col", "glu"):
+    # glu is cut in two even at t == 1: megatron.core.transformer.mlp.apply_swiglu_sharded_factory always returns
+    # a ShardedTensor for the gate half (offset (r, 2t)) and one for the up half (offset (t + r, 2t))
+    if shard == "rep" or t == 1 and shard in ("row", "col"):
         out.append(Chunk(key, lead_box + full_box(trail), owner(0)))
     elif shard in ("row", "col"):
         dim = 0 if shard == "row" else 1
