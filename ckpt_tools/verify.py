@@ -185,7 +185,6 @@ def check_one(view, progress: bool = True) -> dict:
         from .views import format_loaders
 
         loaders = fn()  # per loader, not one verdict: a te checkpoint does not load as local, and need not
-        notes.append("loaders: " + format_loaders(loaders))
         if not any(r.get("ok") for r in loaders.values()):
             problems.append("no known megatron loader (te, local, mindspeed) finds every key it asks for: "
                             + format_loaders(loaders))
@@ -225,10 +224,10 @@ def inspect_checks(view) -> dict:
 
 
 def print_one(rep: dict, out):
-    if rep.get("loaders") is not None:
+    if rep.get("loaders") is not None:  # per loader: which megatron loader (te/local/mindspeed) would accept it
         for spec, r in rep["loaders"].items():
-            print(f"megatron loader {spec}: {'OK' if r.get('ok') else 'FAILED'} "
-                  f"({len(r.get('missing', []))} missing, {len(r.get('unexpected', []))} unexpected)", file=out)
+            print(f"megatron loader {spec}: {'yes' if r.get('ok') else 'no'} "
+                  f"({r.get('missing', 0)} missing, {r.get('unexpected', 0)} unexpected)", file=out)
     for p in rep["problems"]:
         print(f"PROBLEM: {p}", file=out)
     for n in rep["notes"]:
