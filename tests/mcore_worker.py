@@ -206,40 +206,14 @@ def run(rank, world, a):
             for n, prm in model.named_parameters():
                 prm.copy_(reference_local_tensor(n, hf, cfg, ranks, offset, nle))
         dist_checkpointing.save(model.sharded_state_dict(), a["save"])
-    if a.get("load"):
+    def sentinel():
         with torch.no_grad():
             for prm in model.parameters():
                 prm.fill_(12345.0)  # a parameter the load does not fill stays at this sentinel
-        loaded = dist_checkpointing.load(model.sharded_state_dict(), a["load"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-        missing, unexpected = model.load_state_dict(loaded, strict=False)
-        res["missing"] = [k for k in missing if not k.endswith("_extra_state")]
-        res["unexpected"] = list(unexpected)
-        bad, checked = [], 0
-        for n, prm in model.named_parameters():
-            want = reference_local_tensor(n, hf, cfg, ranks, offset, nle)
-            checked += 1
-            if prm.shape != want.shape or not torch.equal(prm.detach(), want.to(prm.dtype)):
-                bad.append(n)
-        res["checked"], res["bad"] = checked, bad
-    res["loads"] = []
-    for spec in a.get("loads", ()):
-        from megatron.core.dist_checkpointing.dict_utils import nested_values as nv
-        from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-        r = {"as": spec["as"], "dir": spec["dir"]}
-        sd = ask_as(model, spec["as"], ps.is_pipeline_last_stage())
-        r["keys"] = sorted({v.key for v in nv(sd) if isinstance(v, ShardedBase)})
-        with torch.no_grad():
-            for prm in model.parameters():
-                prm.fill_(12345.0)
-        try:
-            loaded = dist_checkpointing.load(sd, spec["dir"], strict=StrictHandling(spec.get("strict", "raise_all")))
-        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-            r["error"] = f"{type(e).__name__}: {e}"[:2000]
-            res["loads"].append(r)
-            continue
-        # the objects of TE modules this model does not have: loaded, nothing to put them in
-        loaded = {k: v for k, v in loaded.items() if not k.startswith("_te_only")}
+    def put_and_compare(loaded, r):
+        """Load ``loaded`` into the model; record missing/unexpected keys and the parameters that differ
+        from the HF reference (bitwise) in ``r``."""
         missing, unexpected = model.load_state_dict(loaded, strict=False)
         r["missing"] = [k for k in missing if not k.endswith("_extra_state")]
         r["unexpected"] = list(unexpected)
@@ -250,6 +224,28 @@ def run(rank, world, a):
             if prm.shape != want.shape or not torch.equal(prm.detach(), want.to(prm.dtype)):
                 bad.append(n)
         r["checked"], r["bad"] = checked, bad
+
+    if a.get("load"):
+        sentinel()
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), a["load"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        put_and_compare(loaded, res)
+    res["loads"] = []
+    for spec in a.get("loads", ()):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values as nv
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        r = {"as": spec["as"], "dir": spec["dir"]}
+        sd = ask_as(model, spec["as"], ps.is_pipeline_last_stage())
+        r["keys"] = sorted({v.key for v in nv(sd) if isinstance(v, ShardedBase)})
+        sentinel()
+        try:
+            loaded = dist_checkpointing.load(sd, spec["dir"], strict=StrictHandling(spec.get("strict", "raise_all")))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            r["error"] = f"{type(e).__name__}: {e}"[:2000]
+            res["loads"].append(r)
+            continue
+        # the objects of TE modules this model does not have: loaded, nothing to put them in
+        put_and_compare({k: v for k, v in loaded.items() if not k.startswith("_te_only")}, r)
         res["loads"].append(r)
     if a.get("forward"):
         assert pp == 1
