@@ -24,11 +24,14 @@ def _layers(s):
         raise argparse.ArgumentTypeError(f"--layer-list must be comma-separated integers (got {s!r})") from None
 
 
-def _add_megatron_topology(p):
-    g = p.add_argument_group("Megatron target topology")
+def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec_default="te", vocab_note=""):
+    """The Megatron target flags (hf2mcore; reshard --to mcore, where --tp/--ep are shared with the vLLM target and
+    defined by reshard itself, and --spec defaults to None so that --to vllm can refuse it)."""
+    g = p.add_argument_group(title)
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
+    if tp_ep:
+        g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+        g.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
     g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: = --tp, megatron's default)")
     g.add_argument("--num-layers-in-first-pipeline-stage", type=int, default=None, dest="first",
                    help="uneven PP: layers on stage 0 (megatron's flag of the same name)")
@@ -36,14 +39,14 @@ def _add_megatron_topology(p):
                    help="uneven PP: layers on the last stage")
     g.add_argument("--layer-list", type=_layers, default=None,
                    help="explicit layers per stage, e.g. 11,12,12,12,12,12,12,11 (must sum to the layer count)")
-    g.add_argument("--spec", choices=["te", "local", "mindspeed"], default="te",
+    g.add_argument("--spec", choices=["te", "local", "mindspeed"], default=spec_default,
                    help="the loader whose key set to write: te (Transformer Engine layer spec, what verl builds on "
                         "GPU), mindspeed (Ascend: TE names, only linear_proj's _extra_state object; loads under "
                         "StrictHandling.RAISE_ALL there) or local (megatron-core modules). Default te: its object "
                         "set is a superset of mindspeed's, so it loads under verl on GPU and NPU alike (verl loads "
                         "with ASSUME_OK_UNEXPECTED, which ignores objects the model does not ask for)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_div",
-                   help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl)")
+                   help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl" + vocab_note + ")")
 
 
 def _add_io(p):
@@ -113,19 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"extra buffers differ by version); known: {', '.join(vllm_names.known())} "
                         f"({vllm_names.USERS_VERSION} = the users' vLLM, commit 38217877); default: the installed "
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
-    g = p.add_argument_group("--to mcore: Megatron target topology and spec (as hf2mcore)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: = --tp)")
-    g.add_argument("--num-layers-in-first-pipeline-stage", type=int, default=None, dest="first",
-                   help="uneven PP: layers on stage 0")
-    g.add_argument("--num-layers-in-last-pipeline-stage", type=int, default=None, dest="last",
-                   help="uneven PP: layers on the last stage")
-    g.add_argument("--layer-list", type=_layers, default=None, help="explicit layers per stage (sums to the layer count)")
-    g.add_argument("--spec", choices=["te", "local", "mindspeed"], default=None,
-                   help="loader key set to write (default te; see hf2mcore --help)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_div",
-                   help="pad the vocab rows with zeros to a multiple of N (default: no padding; source padding is "
-                        "stripped)")
+    _add_megatron_topology(p, "--to mcore: Megatron target topology and spec (as hf2mcore)", tp_ep=False,
+                           spec_default=None, vocab_note="; source padding is stripped")
     p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
