@@ -32,7 +32,7 @@ from .layout import (Box, LayoutError, MegatronParallel, VllmParallel, box_inter
                      box_shift, box_slices, boxes_disjoint_cover, full_box)
 from .mapping import MegatronLayout, VllmLayout
 from .model_config import ModelConfig
-from .syncplan import HFSource, SyncPlan
+from .syncplan import HFSource, MegatronSource, SyncPlan
 
 
 class SyncError(RuntimeError):
@@ -130,12 +130,7 @@ class SyncSchedule:
         return self.rollout_ranks[i], i % self.vpar.world
 
     def _plan_pieces(self, order):
-        layout = self.mlayout
-        by_lead = defaultdict(list)
-        for c in layout.chunks():
-            n = layout.nlead(c.key)
-            by_lead[(c.key, tuple(b[0] for b in c.box[:n]))].append(c)
-        hf_index = layout.hf_index()
+        source = MegatronSource(self.mlayout)
         sent = defaultdict(int)
         pieces = []
         # round-robin over receivers, tensor by tensor, so the greedy balance sees every receiver's demand
@@ -144,23 +139,13 @@ class SyncSchedule:
             for i in range(len(self.rollout_ranks)):
                 dst, local = self.receiver(i)
                 for hbox in self.needs_local[local].get(hf, ()):
-                    for seg in hf_index[hf]:
-                        sub = box_intersect(seg.hf_box, hbox)
-                        if sub is None:
-                            continue
-                        mbox = seg.hf_to_target(sub)
-                        n = layout.nlead(seg.key)
-                        for c in by_lead[(seg.key, tuple(b[0] for b in mbox[:n]))]:
-                            inter = box_intersect(c.box, mbox)
-                            if inter is None:
-                                continue
-                            nbytes = box_numel(inter) * self.elem
-                            cands = [self.actor_ranks[h] for h in c.holders]
-                            src = min(cands, key=lambda r: (r != dst, self.node(r) != self.node(dst), sent[r], r))
-                            if src != dst:
-                                sent[src] += nbytes
-                            pieces.append(Piece(dst, src, hf, seg.target_to_hf(inter), c.key, c.box,
-                                                box_shift(inter, [b[0] for b in c.box])))
+                    for c, inter, hsub in source.chunks_of(hf, hbox):
+                        nbytes = box_numel(inter) * self.elem
+                        cands = [self.actor_ranks[h] for h in c.holders]
+                        src = min(cands, key=lambda r: (r != dst, self.node(r) != self.node(dst), sent[r], r))
+                        if src != dst:
+                            sent[src] += nbytes
+                        pieces.append(Piece(dst, src, hf, hsub, c.key, c.box, box_shift(inter, [b[0] for b in c.box])))
         self.pieces = pieces
 
     def _unit_cost(self, pieces):

@@ -49,8 +49,9 @@ class MegatronSource:
             self.by_lead[(c.key, tuple(b[0] for b in c.box[:n]))].append(c)
         self.hf_index = layout.hf_index()
 
-    def locate(self, hf: str, hbox: Box):
-        """Yield (rank, key, chunk box, slice in chunk, hf sub-box) covering ``hbox`` of ``hf``."""
+    def chunks_of(self, hf: str, hbox: Box):
+        """Yield (chunk, its region in Megatron global coordinates, the HF sub-box it holds) covering ``hbox`` of
+        ``hf`` (the chunk's ``holders`` are every rank with a copy; ``SyncSchedule`` picks among them)."""
         for seg in self.hf_index[hf]:
             sub = box_intersect(seg.hf_box, hbox)
             if sub is None:
@@ -59,9 +60,13 @@ class MegatronSource:
             n = self.layout.nlead(seg.key)
             for c in self.by_lead[(seg.key, tuple(b[0] for b in mbox[:n]))]:
                 inter = box_intersect(c.box, mbox)
-                if inter is None:
-                    continue
-                yield c.rank, c.key, c.box, box_shift(inter, [b[0] for b in c.box]), seg.target_to_hf(inter)
+                if inter is not None:
+                    yield c, inter, seg.target_to_hf(inter)
+
+    def locate(self, hf: str, hbox: Box):
+        """Yield (rank, key, chunk box, slice in chunk, hf sub-box) covering ``hbox`` of ``hf``."""
+        for c, inter, hsub in self.chunks_of(hf, hbox):
+            yield c.rank, c.key, c.box, box_shift(inter, [b[0] for b in c.box]), hsub
 
 
 class SyncPlan:
