@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import vllm_live
+from .digest import digest
 from .layout import (Box, LayoutError, MegatronParallel, VllmParallel, box_intersect, box_numel, box_shape,
                      box_shift, box_slices, boxes_disjoint_cover, full_box)
 from .mapping import MegatronLayout, VllmLayout
@@ -196,6 +198,28 @@ class SyncSchedule:
         """Bytes vLLM-local rank ``local``'s loader reads (its shard in HF regions)."""
         return sum(box_numel(b) for boxes in self.needs_local[local].values() for b in boxes) * self.elem
 
+    def pair_piece_counts(self) -> dict:
+        """(sender, receiver) -> pieces sent between two different ranks (what the verification exchanges)."""
+        if not hasattr(self, "_pair_counts"):
+            c = defaultdict(int)
+            for p in self.pieces:
+                if p.src != p.dst:
+                    c[(p.src, p.dst)] += 1
+            self._pair_counts = dict(c)
+        return self._pair_counts
+
+    def vllm_regions(self, local: int) -> dict:
+        """HF tensor -> [(vLLM parameter, segment)] of vLLM-local rank ``local``: where its loader puts each
+        HF region (the layout's segments: pure translations, leading expert axes as points)."""
+        cache = self.__dict__.setdefault("_regions", {})
+        if local not in cache:
+            idx = defaultdict(list)
+            for name, ts in self.vlayout.ranks[local].items():
+                for seg in ts.segments:
+                    idx[seg.hf].append((name, seg))
+            cache[local] = dict(idx)
+        return cache[local]
+
     def model_bytes(self) -> int:
         return sum(box_numel(full_box(s)) for s in self.hf_shapes.values()) * self.elem
 
@@ -318,7 +342,7 @@ def local_chunks(megatron_model) -> dict:
     models = megatron_model if isinstance(megatron_model, (list, tuple)) else [megatron_model]
     out = {}
     for m in models:
-        sd = m.sharded_state_dict()
+        sd = _unwrap(m).sharded_state_dict()
         apply_factories(sd)
         for v in nested_values(sd):
             if not isinstance(v, ShardedTensor) or v.data is None or v.flattened_range is not None:
@@ -330,38 +354,15 @@ def local_chunks(megatron_model) -> dict:
     return out
 
 
-def _vllm_problems(schedule: SyncSchedule, model, local: int) -> str:
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "hidden_size"):
-        c = schedule.cfg
-        for attr, want in (("hidden_size", c.hidden), ("num_hidden_layers", c.layers),
-                           ("num_attention_heads", c.heads), ("num_key_value_heads", c.kv_heads),
-                           ("vocab_size", c.vocab)):
-            got = getattr(cfg, attr, want)
-            if got != want:
-                return f"vLLM model has {attr} {got}, the schedule's model has {want}"
-        try:
-            from vllm.distributed import parallel_state as vps
-
-            if vps.model_parallel_is_initialized():
-                t, r = vps.get_tensor_model_parallel_world_size(), vps.get_tensor_model_parallel_rank()
-                if (t, r) != (schedule.vpar.tp, local % schedule.vpar.tp):
-                    return (f"vLLM runs TP{t} rank {r} here, the schedule plans {schedule.vpar.describe()} "
-                            f"rank {local % schedule.vpar.tp}")
-        except ImportError:
-            pass
-    return ""
-
-
-def _exchange_summaries(summary: dict, group, world: int, timeout_s: float) -> list[dict]:
-    """all-gather of a small fixed-size JSON per rank, with a monitored wait."""
+def _exchange_summaries(summary: dict, comm: "_Comm", timeout_s: float) -> list[dict]:
+    """all-gather of a small fixed-size JSON per rank on the control group, with a monitored wait."""
     import torch.distributed as dist
 
     raw = json.dumps(summary).encode()[:_SUMMARY_BYTES]
     t = torch.zeros(_SUMMARY_BYTES, dtype=torch.uint8)
     t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    outs = [torch.zeros_like(t) for _ in range(world)]
-    work = dist.all_gather(outs, t, group=group, async_op=True)
+    outs = [torch.zeros_like(t) for _ in range(comm.world)]
+    work = dist.all_gather(outs, t, group=comm.control, async_op=True)
     try:
         _wait(work, time.monotonic() + timeout_s, timeout_s)
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
@@ -378,11 +379,25 @@ def _exchange_summaries(summary: dict, group, world: int, timeout_s: float) -> l
 
 
 def _wait(work, deadline: float, timeout_s: float):
-    """Wait at most until ``deadline``: ``Work.wait(timeout)`` (gloo's send/recv/collective works honour it and
-    raise on a timeout or a dead peer; NCCL / HCCL also time out through their watchdog / the group timeout)."""
+    """Wait for a control-group (gloo) work at most until ``deadline``: gloo's ``Work.wait(timeout)`` honours the
+    timeout and raises on a timeout or a dead peer."""
     left = max(0.001, deadline - time.monotonic())
     if work.wait(timeout=timedelta(seconds=left)) is False:
         raise TimeoutError(f"no answer within {timeout_s:g} s")
+
+
+def _wait_data(work, deadline: float, timeout_s: float, gloo: bool):
+    """Wait for a data-group work at most until ``deadline``. gloo: as :func:`_wait`. NCCL / HCCL: their
+    ``Work.wait(timeout)`` does not bound the host wait (torch_npu's WorkHCCL ignores it; NCCL's only with
+    TORCH_NCCL_BLOCKING_WAIT), so the host polls ``is_completed()`` (a query of the work's device event) until the
+    deadline, then ``wait()`` orders the current stream after it."""
+    if gloo:
+        return _wait(work, deadline, timeout_s)
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {timeout_s:g} s")
+        time.sleep(0.0005)
+    work.wait()
 
 
 def _one_line(e: BaseException) -> str:
@@ -390,22 +405,83 @@ def _one_line(e: BaseException) -> str:
     return (s[:300] + "...") if len(s) > 300 else s
 
 
-def _rank_and_peer(group):
+class _Comm(NamedTuple):
+    data: object      # the group carrying device tensors (None = default group)
+    control: object   # a gloo group over the same ranks: summaries, digests, monitored waits
+    rank: int
+    world: int
+    peer: object      # group rank -> global rank (for P2P ops on the data group)
+    data_gloo: bool
+
+
+_CONTROL_GROUPS: dict = {}
+
+
+def control_group_for(group=None):
+    """A gloo group over the same ranks as ``group`` (None: the default group), for the sync's control messages
+    and monitored waits; ``group`` itself when it is gloo already. Made once per group and cached: the first call
+    is collective (``dist.new_group``: every rank of the default group calls it at the same point)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    if group is None:
-        return rank, world, (lambda r: r)
-    return rank, world, (lambda r: dist.get_global_rank(group, r))
+    if dist.get_backend(group) == "gloo":
+        return group
+    key = "default" if group is None else id(group)
+    if key not in _CONTROL_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _CONTROL_GROUPS[key]
 
 
-def _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout_s, need_chunks):
-    """Refuse a mismatched topology or model before any byte moves: every rank checks its own side, then
-    all ranks compare fingerprints and problems (one monitored all-gather)."""
-    problem, chunks = "", {}
-    if world < schedule.world:
-        problem = f"the group has {world} ranks, the schedule needs {schedule.world}"
+def _comm(group, control_group) -> _Comm:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    backend = str(dist.get_backend(group))
+    gloo = backend == "gloo"
+    if control_group is None:
+        if not gloo:
+            raise SyncError(f"weight sync refused: the data group's backend is {backend}, which cannot carry the "
+                            f"sync's small CPU control messages; pass control_group=ckpt_tools.sync."
+                            f"control_group_for(group) (a gloo group over the same ranks); vLLM weights not modified")
+        control_group = group
+    elif control_group is not group:
+        if str(dist.get_backend(control_group)) != "gloo":
+            raise SyncError("weight sync refused: control_group must be a gloo group; vLLM weights not modified")
+        cranks = [r if control_group is None else dist.get_global_rank(control_group, r)
+                  for r in range(dist.get_world_size(control_group))]
+        if cranks != [peer(r) for r in range(world)]:
+            raise SyncError(f"weight sync refused: control_group spans global ranks {cranks[:8]}, the data group "
+                            f"{[peer(r) for r in range(min(world, 8))]}; vLLM weights not modified")
+    return _Comm(group, control_group, rank, world, peer, gloo)
+
+
+def _unwrap(m):
+    """The model chunk under verl's / megatron's wrappers (megatron DDP, Float16Module, torch DDP): their
+    ``sharded_state_dict()`` prefixes keys with ``module.`` (verl/utils/megatron_utils.py unwrap_model does the
+    same before reading weights)."""
+    wrappers = [torch.nn.parallel.DistributedDataParallel]
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.transformer.module import Float16Module
+
+        wrappers += [DistributedDataParallel, Float16Module]
+    except ImportError:
+        pass
+    while isinstance(m, tuple(wrappers)):
+        m = m.module
+    return m
+
+
+def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify):
+    """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
+    chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
+    fingerprints and problems (one monitored all-gather on the control group). Re-attaches expert
+    ``weight_loader``s a vLLM build dropped (see ckpt_tools.vllm_live)."""
+    problem, chunks, live = "", {}, None
+    rank = comm.rank
+    if comm.world < schedule.world:
+        problem = f"the group has {comm.world} ranks, the schedule needs {schedule.world}"
     is_actor, is_roll = rank in schedule.actor_ranks, rank in schedule.rollout_ranks
     if not problem and is_actor:
         if megatron_model is None:
@@ -421,12 +497,21 @@ def _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout
                                + "; model or topology differs from the schedule")
                     break
     if not problem and is_roll:
+        local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
         if vllm_model is None:
             problem = f"rank {rank} is a rollout rank but got no vLLM model"
         else:
-            problem = _vllm_problems(schedule, vllm_model, schedule.rollout_ranks.index(rank) % schedule.vpar.world)
+            problem = vllm_live.problems(vllm_model, schedule.cfg, schedule.vpar, local)
+            if not problem:
+                vllm_live.reattach_weight_loaders(vllm_model)
+            if not problem and verify:
+                live = vllm_live.LiveParams(vllm_model)
+                missing = [n for n in schedule.vlayout.ranks[local] if live.get(n) is None]
+                if missing:
+                    problem = (f"the vLLM model on rank {rank} has no parameter {missing[0]} (nor its "
+                               f"{len(missing) - 1} other planned ones); vLLM version names differ")
     mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500]}
-    alls = _exchange_summaries(mine, group, world, timeout_s)
+    alls = _exchange_summaries(mine, comm, timeout_s)
     for r, s in enumerate(alls):
         if s.get("problem"):
             raise SyncError(f"weight sync refused before any transfer: rank {r}: {s['problem']}; vLLM weights not modified")
@@ -435,7 +520,7 @@ def _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout
             raise SyncError(f"weight sync refused before any transfer: rank {r} planned '{s.get('desc')}' "
                             f"(fingerprint {s.get('fp')}) but rank {rank} planned '{mine['desc']}' "
                             f"(fingerprint {mine['fp']}); vLLM weights not modified")
-    return chunks
+    return chunks, live
 
 
 def _device_of(model, default="cpu"):
@@ -446,36 +531,46 @@ def _device_of(model, default="cpu"):
 
 
 def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None, timeout_s: float = 300.0, *,
-                 fill_value: float | None = None) -> dict:
+                 control_group=None, verify: bool = True, fill_value: float | None = None) -> dict:
     """Push the actor's live weights into vLLM. Every rank of ``group`` calls this with its own models
-    (``megatron_model``: a GPTModel or list of model chunks on actor ranks, else None; ``vllm_model``: the
-    vLLM model object on rollout ranks, else None).
+    (``megatron_model``: a GPTModel or list of model chunks on actor ranks, wrapped or not - megatron DDP /
+    Float16Module are unwrapped; else None; ``vllm_model``: the vLLM model object on rollout ranks, else None).
+
+    Groups: ``group`` (None = the default group) carries the data: device tensors only (NCCL, HCCL or gloo).
+    ``control_group`` carries every small message and every wait that must time out; it must be gloo and span
+    the same ranks (:func:`control_group_for`); it may be omitted when ``group`` is gloo itself.
 
     Steps: (1) refuse before any transfer if any rank's schedule fingerprint differs or its model does not
     hold what the schedule expects (one-line :class:`SyncError` on every rank); (2) bucket by bucket, each
     rank posts one send per receiver (its pieces, cast to ``schedule.dtype``, concatenated) and one receive
     per sender with ``torch.distributed.batch_isend_irecv``, waits at most ``timeout_s`` for them, builds
     full-shape HF tensors of this bucket (only the regions its vLLM loader reads are written; the rest is
-    ``torch.empty``, or ``fill_value`` for tests) and hands them to ``vllm_model.load_weights``. A failure
-    raises SyncError saying how many of this rank's tensors vLLM already took ("vLLM weights partially
-    updated: N of M tensors").
+    ``torch.empty``, or ``fill_value`` for tests) and hands them to ``vllm_model.load_weights``; (3) with
+    ``verify``: every sender digests each piece it sent (ckpt_tools.digest, on its device), the digests go to
+    the receivers over the control group, and every rollout rank digests the region of each vLLM parameter that
+    piece was meant to fill: any difference is a SyncError naming rank, parameter, HF tensor and region, on
+    every rank. A failure raises SyncError saying how many of this rank's tensors vLLM already took ("vLLM
+    weights partially updated: N of M tensors").
 
     Returns this rank's counters: ``recv_bytes`` (its shard, self copies included), ``recv_net_bytes``,
     ``sent_bytes``, ``local_bytes``, ``messages_sent``, ``messages_received``, ``buckets``,
-    ``tensors_delivered``, ``seconds``."""
+    ``tensors_delivered``, ``verified_pieces``, ``verify_seconds``, ``seconds``."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    rank, world, peer = _rank_and_peer(group)
+    comm = _comm(group, control_group)
+    rank = comm.rank
     need = {(p.key, p.chunk_box) for p in schedule.pieces if p.src == rank}
-    chunks = _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout_s, need)
+    chunks, live = _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need, verify)
     dtype = schedule.dtype
     rdev = _device_of(vllm_model)
     mine_total = sum(len(schedule.needs_local[i % schedule.vpar.world]) for i, r in enumerate(schedule.rollout_ranks)
                      if r == rank)
     cnt = dict(recv_bytes=0, recv_net_bytes=0, sent_bytes=0, local_bytes=0, messages_sent=0, messages_received=0,
-               buckets=0, tensors_delivered=0, tensors_total=mine_total)
+               buckets=0, tensors_delivered=0, tensors_total=mine_total, verified_pieces=0, verify_seconds=0.0)
     nb = len(schedule.buckets)
+    sent_digests = defaultdict(list)   # receiver -> digests of the pieces sent to it, in schedule order
+    self_digests = []                  # digests of this rank's copies to itself, in schedule order
 
     def src_view(p):
         t = chunks[(p.key, p.chunk_box)]
@@ -500,21 +595,22 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
         if not (sends or recvs or selfs):
             continue
         cnt["buckets"] += 1
-        ops, rbufs = [], {}
+        ops, rbufs, sbufs = [], {}, {}
         for dst, ps in sends.items():
-            buf = torch.cat([src_view(p).reshape(-1).to(dtype) for p in ps])
-            ops.append(dist.P2POp(dist.isend, buf, peer(dst), group, tag=b))
+            buf = sbufs[dst] = torch.cat([src_view(p).reshape(-1).to(dtype) for p in ps])
+            ops.append(dist.P2POp(dist.isend, buf, comm.peer(dst), comm.data, tag=b))
             cnt["sent_bytes"] += buf.numel() * buf.element_size()
             cnt["messages_sent"] += 1
         for src, ps in recvs.items():
             n = sum(box_numel(p.hf_box) for p in ps)
             rbufs[src] = torch.empty(n, dtype=dtype, device=rdev)
-            ops.append(dist.P2POp(dist.irecv, rbufs[src], peer(src), group, tag=b))
+            ops.append(dist.P2POp(dist.irecv, rbufs[src], comm.peer(src), comm.data, tag=b))
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except Exception as e:  # noqa: BLE001
             raise fail(b, f"posting transfers failed ({_one_line(e)})") from None
-        # while the transfers run: the full-shape HF tensors of this bucket and the self copies
+        # while the transfers run: the full-shape HF tensors of this bucket, the self copies, the digests of
+        # what is sent (the send buffers hold exactly the bytes on the wire)
         full = {}
         for p in selfs + [p for ps in recvs.values() for p in ps]:
             if p.hf not in full:
@@ -522,12 +618,24 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
                 full[p.hf] = (torch.full(shape, fill_value, dtype=dtype, device=rdev) if fill_value is not None
                               else torch.empty(shape, dtype=dtype, device=rdev))
         for p in selfs:
-            full[p.hf][box_slices(p.hf_box)].copy_(src_view(p).reshape(box_shape(p.hf_box)))
+            src = src_view(p)
+            full[p.hf][box_slices(p.hf_box)].copy_(src.reshape(box_shape(p.hf_box)))
             cnt["local_bytes"] += box_numel(p.hf_box) * schedule.elem
+            if verify:
+                self_digests.append(digest(src, dtype))
+        if verify:
+            tv = time.perf_counter()
+            for dst, ps in sends.items():
+                off, buf = 0, sbufs[dst]
+                for p in ps:
+                    n = box_numel(p.hf_box)
+                    sent_digests[dst].append(digest(buf[off:off + n]))
+                    off += n
+            cnt["verify_seconds"] += time.perf_counter() - tv
         deadline = time.monotonic() + timeout_s
         for w in works:
             try:
-                _wait(w, deadline, timeout_s)
+                _wait_data(w, deadline, timeout_s, comm.data_gloo)
             except Exception as e:  # noqa: BLE001 - a dead or stalled peer
                 peers = sorted(set(sends) | set(recvs))
                 raise fail(b, f"transfer with rank(s) {peers} did not complete ({_one_line(e)})") from None
@@ -539,7 +647,7 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
                 off += n
             cnt["messages_received"] += 1
             cnt["recv_net_bytes"] += off * schedule.elem
-        del rbufs, ops, works
+        del rbufs, sbufs, ops, works
         if full:
             if vllm_model is None:
                 raise fail(b, "pieces arrived for a rank without a vLLM model")
@@ -550,12 +658,82 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
             cnt["tensors_delivered"] += len(full)
             cnt["recv_bytes"] += sum(box_numel(p.hf_box) for p in pieces if p.dst == rank) * schedule.elem
         del full
+    if verify:
+        tv = time.perf_counter()
+        cnt["verified_pieces"] = _verify(schedule, comm, live, sent_digests, self_digests, timeout_s)
+        cnt["verify_seconds"] += time.perf_counter() - tv
     cnt["seconds"] = time.perf_counter() - t0
     return cnt
 
 
+def _verify(schedule, comm, live, sent_digests, self_digests, timeout_s) -> int:
+    """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent: the
+    senders' digests come over the control group (one all-to-all of 8 bytes per piece), this rank digests the
+    parameter regions (after all buckets: a later write over an earlier region is caught), and all ranks share the
+    first problem (one all-gather), so every rank raises the same one-line SyncError."""
+    import torch.distributed as dist
+
+    rank, world = comm.rank, comm.world
+    counts = schedule.pair_piece_counts()
+    send_split = [counts.get((rank, d), 0) for d in range(world)]
+    recv_split = [counts.get((s, rank), 0) for s in range(world)]
+    flat = [t for d in range(world) for t in sent_digests.get(d, ())]
+    out = torch.stack(flat).cpu() if flat else torch.zeros(0, dtype=torch.int64)
+    got = torch.zeros(sum(recv_split), dtype=torch.int64)
+    problem, proven = "", 0
+    if out.numel() != sum(send_split):
+        problem = f"rank {rank} digested {out.numel()} sent pieces, the schedule plans {sum(send_split)}"
+        out = torch.zeros(sum(send_split), dtype=torch.int64)
+    try:
+        work = dist.all_to_all_single(got, out, recv_split, send_split, group=comm.control, async_op=True)
+        _wait(work, time.monotonic() + timeout_s, timeout_s)
+    except Exception as e:  # noqa: BLE001
+        raise SyncError(f"weight sync verification failed on rank {rank}: exchanging digests did not complete within "
+                        f"{timeout_s:g} s ({_one_line(e)}); vLLM weights updated but not proven") from None
+    if not problem and rank in schedule.rollout_ranks:
+        local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
+        regions = schedule.vllm_regions(local)
+        offs = [sum(recv_split[:s]) for s in range(world)]
+        expected, mine_self = {}, iter(self_digests)
+        for ps in schedule.pieces_by_bucket:
+            for p in ps:
+                if p.dst != rank:
+                    continue
+                if p.src == rank:
+                    expected[p] = next(mine_self)
+                else:
+                    expected[p] = got[offs[p.src]]
+                    offs[p.src] += 1
+        for p, want in expected.items():
+            for vname, seg in regions[p.hf]:
+                if box_intersect(seg.hf_box, p.hf_box) != p.hf_box:
+                    continue
+                target = seg.hf_to_target(p.hf_box)
+                prm = live.get(vname)
+                spec = schedule.vlayout.ranks[local][vname]
+                if tuple(prm.shape) != tuple(spec.shape):
+                    problem = (f"rank {rank}: vLLM parameter {vname} has shape {list(prm.shape)}, not the checkpoint "
+                               f"layout {list(spec.shape)} the loader writes (this vLLM build repacks it after "
+                               f"loading): cannot be proven")
+                    break
+                d = digest(prm.detach()[box_slices(target)], schedule.dtype)
+                if int(d) != int(want):
+                    problem = (f"rank {rank}: vLLM parameter {vname} region {[list(x) for x in target]} does not hold "
+                               f"the bytes rank {p.src} sent for HF tensor {p.hf} region "
+                               f"{[list(x) for x in p.hf_box]}")
+                    break
+                proven += 1
+            if problem:
+                break
+    alls = _exchange_summaries({"fp": schedule.fingerprint(), "desc": "", "problem": problem[:600]}, comm, timeout_s)
+    for r, s in enumerate(alls):
+        if s.get("problem"):
+            raise SyncError(f"weight sync verification failed: {s['problem']}; vLLM weights updated but wrong")
+    return proven
+
+
 def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
-                            timeout_s: float = 300.0) -> dict:
+                            timeout_s: float = 300.0, *, control_group=None) -> dict:
     """The verl-style baseline (verl/utils/megatron_utils.py ``per_tensor_generator``): per HF tensor, every
     rank of the group assembles the *full* tensor (each Megatron chunk broadcast from the rank that holds
     it: the volume of verl's all-gather over TP / EP and broadcast over PP), then rollout ranks hand it to
@@ -564,10 +742,11 @@ def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, 
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    rank, world, peer = _rank_and_peer(group)
+    comm = _comm(group, control_group)
+    rank, world, peer = comm.rank, comm.world, comm.peer
     layout = schedule.mlayout
     need = {(c.key, c.box) for c in layout.chunks() if schedule.actor_ranks[c.rank] == rank}
-    chunks = _preflight(schedule, rank, world, megatron_model, vllm_model, group, timeout_s, need)
+    chunks, _ = _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need, False)
     dtype = schedule.dtype
     rdev = _device_of(vllm_model)
     chunks_of = defaultdict(list)  # (key, lead) -> chunks

@@ -45,6 +45,7 @@ largest shard.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -58,6 +59,7 @@ sys.path.insert(0, ROOT)
 
 QUICK = dict(layers=16, experts=64, layer_list=[7, 9], repeats=3)
 FULL = dict(layers=94, experts=128, layer_list=[46, 48], repeats=3)
+METHODS = ["baseline", "ours", "ours_verified"]
 WIDTHS = dict(hidden=256, head_dim=32, moe_ffn=64, vocab=2048)
 
 
@@ -119,39 +121,6 @@ class SyntheticActor:
         return dict(self.sd)
 
 
-class LayoutReceiver:
-    """vLLM side stand-in: ``load_weights`` slices each HF tensor into this rank's parameters by the vLLM
-    layout (VllmLayout segments: what vLLM's weight loaders read); parameters are allocated up front."""
-
-    def __init__(self, schedule, local, dtype):
-        import torch
-
-        from ckpt_tools.layout import box_slices
-
-        self._slices = box_slices
-        self.params, self.index = {}, {}
-        for name, ts in schedule.vlayout.ranks[local].items():
-            self.params[name] = torch.zeros(ts.shape, dtype=dtype)
-            for seg in ts.segments:
-                self.index.setdefault(seg.hf, []).append((name, seg))
-
-    def parameters(self):
-        return iter(self.params.values())
-
-    def load_weights(self, weights):
-        sl = self._slices
-        done = set()
-        for hf, t in weights:
-            for name, seg in self.index.get(hf, ()):
-                dst = self.params[name][sl(seg.box)]
-                dst.copy_(t[sl(seg.hf_box)].reshape(dst.shape))
-            done.add(hf)
-        return done
-
-    def snapshot(self):
-        return {k: v.clone() for k, v in self.params.items()}
-
-
 def _worker(rank, world, init, args, q):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -159,6 +128,7 @@ def _worker(rank, world, init, args, q):
 
     torch.set_num_threads(1)
     from ckpt_tools.sync import sync_weights, sync_weights_gather_all
+    from ckpt_tools.testing import LayoutReceiver
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -168,11 +138,13 @@ def _worker(rank, world, init, args, q):
         local = sched.rollout_ranks.index(rank) % sched.vpar.world if rank in sched.rollout_ranks else None
         recv = LayoutReceiver(sched, local, dtype) if local is not None else None
         peak = _Peak()
-        res = {"ours": [], "baseline": []}
+        fns = {"ours": functools.partial(sync_weights, verify=False),
+               "ours_verified": functools.partial(sync_weights, verify=True), "baseline": sync_weights_gather_all}
+        res = {m: [] for m in METHODS}
         after = {}
-        fns = {"ours": sync_weights, "baseline": sync_weights_gather_all}
         for rep in range(args.repeats):
-            order = ["baseline", "ours"] if rep % 2 == 0 else ["ours", "baseline"]
+            k = rep % len(METHODS)
+            order = METHODS[k:] + METHODS[:k]  # each method first / middle / last in turn
             for m in order:
                 if recv is not None:
                     for p in recv.params.values():
@@ -190,7 +162,8 @@ def _worker(rank, world, init, args, q):
                     after[m] = recv.snapshot()
         same = True
         if recv is not None:
-            same = all(torch.equal(after["ours"][k], after["baseline"][k]) for k in after["ours"])
+            same = all(torch.equal(after[m][k], after["baseline"][k]) for m in ("ours", "ours_verified")
+                       for k in after["ours"])
             nonzero = all(bool(v.abs().sum() > 0) for v in after["ours"].values())
             same = same and nonzero
         peak.stop = True
@@ -276,7 +249,7 @@ def main(argv=None):
         return 1
 
     methods = {}
-    for m in ("ours", "baseline"):
+    for m in METHODS:
         reps = [[outs[r][0][m][i] for r in range(world)] for i in range(args.repeats)]
         secs = [max(c["wall"] for c in rep) for rep in reps]
         last = reps[-1]
@@ -290,10 +263,14 @@ def main(argv=None):
             "bytes_sent_max": max(c["sent_bytes"] for c in last),
             "messages_sent": sum(c["messages_sent"] for c in last),
             "peak_rss_gib": max(c["rss"] for rep in reps for c in rep) / 2 ** 30,
+            "verify_seconds_max": max(c.get("verify_seconds", 0.0) for c in last),
+            "verified_pieces": sum(c.get("verified_pieces", 0) for c in last),
         }
     o, b = methods["ours"], methods["baseline"]
     same = all(v[1] for v in outs.values())
     out = {"methods": methods, "speedup": b["seconds"] / o["seconds"],
+           "speedup_verified": b["seconds"] / methods["ours_verified"]["seconds"],
+           "verified_over_ours": methods["ours_verified"]["seconds"] / o["seconds"],
            "bytes_ratio": o["bytes_received_max"] / o["bytes_received_min_possible"],
            "identical_results": same, "model_bytes": st["model_bytes"], "ranks": world,
            "schedule": sched.describe(), "buckets": st["buckets"], "repeats": args.repeats,
@@ -304,13 +281,15 @@ def main(argv=None):
     mib = 2 ** 20
     print(f"{sched.describe()}; {world} gloo processes; model {st['model_bytes'] / mib:.1f} MiB; "
           f"{args.repeats} alternating repeats")
-    print(f"{'method':10} {'seconds':>9} {'recv max MiB':>13} {'largest shard MiB':>18} {'recv/shard':>10} "
+    print(f"{'method':14} {'seconds':>9} {'recv max MiB':>13} {'largest shard MiB':>18} {'recv/shard':>10} "
           f"{'msgs sent':>10} {'peak RSS GiB':>13}")
     for m, v in methods.items():
-        print(f"{m:10} {v['seconds']:9.2f} {v['bytes_received_max'] / mib:13.2f} "
+        print(f"{m:14} {v['seconds']:9.2f} {v['bytes_received_max'] / mib:13.2f} "
               f"{v['bytes_received_min_possible'] / mib:18.2f} "
               f"{v['bytes_received_max'] / v['bytes_received_min_possible']:10.2f} {v['messages_sent']:10d} "
               f"{v['peak_rss_gib']:13.2f}")
+    print(f"verification: ours_verified / ours = {out['verified_over_ours']:.3f} "
+          f"({methods['ours_verified']['verified_pieces']} pieces proven on the receivers)")
     print(f"speedup {out['speedup']:.1f}x, bytes_ratio {out['bytes_ratio']:.3f}, results identical: {same}; "
           f"{out['total_seconds']:.0f} s in all")
     if args.json:

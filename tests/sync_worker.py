@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
@@ -75,18 +76,65 @@ def _inter(a, b):
 
 
 class Recorder:
-    """Stands in for vLLM's model: keeps what ``load_weights`` was given."""
+    """Stands in for vLLM's model: keeps what ``load_weights`` was given and, when it has a layout, also writes
+    its parameters as vLLM's loaders do (ckpt_tools.testing.LayoutReceiver, possibly with a wrong loader)."""
 
-    def __init__(self, on_call=None):
-        self.got, self.calls, self.on_call = {}, 0, on_call
+    def __init__(self, on_call=None, receiver=None):
+        self.got, self.calls, self.on_call, self.receiver = {}, 0, on_call, receiver
+
+    def named_parameters(self, remove_duplicate=True):
+        return self.receiver.named_parameters() if self.receiver else iter(())
+
+    def parameters(self):
+        return self.receiver.parameters() if self.receiver else iter(())
 
     def load_weights(self, weights):
+        weights = list(weights)
         self.calls += 1
         if self.on_call:
             self.on_call(self.calls)
         for n, t in weights:
             self.got[n] = t.clone()
+        if self.receiver:
+            self.receiver.load_weights(weights)
         return set(self.got)
+
+
+class OpLog:
+    """Records every torch.distributed collective and point-to-point op with its group, bytes, dtype and device."""
+
+    def __init__(self, names):
+        import torch.distributed as dist
+
+        self.names, self.ops = names, []
+        # isend / irecv stay unwrapped (P2POp checks their identity): the sync posts them through
+        # batch_isend_irecv, recorded below
+        for fn in ("all_gather", "all_to_all_single", "broadcast", "all_reduce", "barrier", "send", "recv",
+                   "gather", "scatter", "reduce", "all_gather_object", "broadcast_object_list"):
+            self._wrap(dist, fn)
+        orig = dist.batch_isend_irecv
+
+        def batch(ops):
+            for op in ops:
+                self.add(op.op.__name__, op.group, op.tensor)
+            return orig(ops)
+
+        dist.batch_isend_irecv = batch
+
+    def add(self, op, group, *tensors):
+        ts = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
+        self.ops.append({"op": op, "group": self.names.get(id(group), repr(group)),
+                         "bytes": [t.numel() * t.element_size() for t in ts], "dtype": [str(t.dtype) for t in ts],
+                         "device": [str(t.device) for t in ts]})
+
+    def _wrap(self, dist, fn):
+        orig = getattr(dist, fn)
+
+        def wrapped(*a, **k):
+            self.add(fn, k.get("group"), *a)
+            return orig(*a, **k)
+
+        setattr(dist, fn, wrapped)
 
 
 def run_fake(rank, world, a):
@@ -120,7 +168,10 @@ def run_fake(rank, world, a):
         if rank == 1 and n == 2 and fault == "stall":
             time.sleep(a.get("stall_s", 30))
 
-    vm = Recorder(on_call) if rank in sched.rollout_ranks else None
+    from ckpt_tools.testing import LayoutReceiver
+
+    vm = Recorder(on_call, LayoutReceiver(sched, sched.rollout_ranks.index(rank) % vpar.world)) \
+        if rank in sched.rollout_ranks else None
     t0 = time.time()
     try:
         res["ours"] = sync_weights(sched, mm, vm, timeout_s=a.get("timeout_s", 60), fill_value=float("nan"))
@@ -156,6 +207,63 @@ def run_fake(rank, world, a):
     dist.barrier()
     dist.destroy_process_group()
 
+
+
+def run_checks(rank, world, a):
+    """Several syncs in one gloo world (MoE, vLLM TP2 x DP2 with expert parallel on 4 ranks, actor PP2 x EP2):
+    (1) split groups: a data group and a control group of their own, every torch.distributed op recorded;
+    (2) for each loader fault (ckpt_tools.testing.LayoutReceiver on rank 1): the verification's error;
+    (3) vLLM on rank 1 reporting another DP / EP rank than the schedule plans: the refusal."""
+    import torch.distributed as dist
+
+    from ckpt_tools import vllm_live
+    from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel
+    from ckpt_tools.model_config import config_from_dict
+    from ckpt_tools.synth import TINY
+    from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
+    from ckpt_tools.testing import LayoutReceiver
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = config_from_dict(dict(TINY, model_type="qwen3_moe"))
+    mpar = MegatronParallel.build(cfg.layers, pp=2, tp=1, ep=2, layer_list=[2, 4])
+    vpar = VllmParallel(2, 2, True)
+    sched = SyncSchedule(cfg, mpar, vpar, "local", bucket_bytes=60000)
+    mm = FakeMegatron(sched, rank)
+    local = sched.rollout_ranks.index(rank) % vpar.world
+    res = {"rank": rank, "errors": {}}
+
+    def receiver(fault=None):
+        return Recorder(None, LayoutReceiver(sched, local, fault=fault if rank == 1 else None))
+
+    data, control = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    log = OpLog({id(data): "data", id(control): "control", id(None): "default"})
+    res["ours"] = sync_weights(sched, mm, receiver(), group=data, control_group=control, timeout_s=120)
+    res["ops"] = list(log.ops)  # (the syncs below run on the default group)
+    msgs = defaultdict(int)
+    for b, ps in enumerate(sched.pieces_by_bucket):
+        for p in ps:
+            if p.src != p.dst and rank in (p.src, p.dst):
+                msgs[(b, p.src, p.dst)] += box_numel(p.hf_box) * sched.elem
+    res["message_bytes"] = sorted(msgs.values())
+    res["pieces"] = len(sched.pieces)
+    for fault in a["loader_faults"]:
+        try:
+            sync_weights(sched, mm, receiver(tuple(fault)), timeout_s=120)
+            res["errors"][fault[0]] = None
+        except SyncError as e:
+            res["errors"][fault[0]] = str(e)
+    if rank == 1:  # what vLLM's parallel_state reports on this rank
+        vllm_live.parallel_ranks = lambda: {"tp": (1, 2), "dp": (1, 2), "ep": (3, 4)}
+    try:
+        sync_weights(sched, mm, receiver(), timeout_s=120)
+        res["errors"]["vllm_ranks"] = None
+    except SyncError as e:
+        res["errors"]["vllm_ranks"] = str(e)
+    with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------- real clients
@@ -342,7 +450,7 @@ def run_real(rank, world, a):
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     os.makedirs(a["out"], exist_ok=True)
-    target = {"fake": run_fake, "real": run_real}[a["mode"]]
+    target = {"fake": run_fake, "real": run_real, "checks": run_checks}[a["mode"]]
     ctx = torch.multiprocessing.start_processes(target, args=(a["world"], a), nprocs=a["world"], join=False,
                                                 start_method="spawn")
     for p in ctx.processes:

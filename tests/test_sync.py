@@ -208,6 +208,47 @@ vllm_needed = pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") 
 PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 77]]
 
 
+# loader fault on rank 1 (vLLM rank 1 of TP2 x DP2 EP4: experts 2-3, o_proj columns 64-128) -> where it shows
+FAULTS = {"drop": ("model.layers.1.mlp.experts.3.down_proj.weight",
+                   "model.layers.1.mlp.experts.w2_weight region [[1, 2], [0, 64], [0, 32]]"),
+          "misplace": ("model.layers.3.mlp.experts.2.gate_proj.weight",
+                       "model.layers.3.mlp.experts.w13_weight region [[0, 1], [0, 32], [0, 64]]"),
+          "shift": ("model.layers.2.self_attn.o_proj.weight",
+                    "model.layers.2.self_attn.o_proj.weight region [[0, 64], [0, 64]]")}
+
+
+def test_verification_control_vs_data_and_vllm_ranks(tmp_path):
+    """MoE, actor PP2 x EP2 -> vLLM TP2 x DP2 EP4 on 4 gloo processes, several syncs in one world:
+    - data group vs control group (two gloo groups, every torch.distributed op recorded): the data group carries
+      exactly the planned payload messages (bf16, one per bucket, sender, receiver), the control group only the
+      1 KiB summaries (uint8) and the 8-byte digests (int64), the default group nothing;
+    - a wrong vLLM loader on rank 1 (silently drops one expert, writes one expert into the next slot, shifts one
+      row) fails the sync's verification on every rank with one line naming rank, vLLM parameter, region and
+      HF tensor;
+    - vLLM on rank 1 reporting another DP / EP rank than the schedule plans: refused before any byte."""
+    faults = [[k, v[0]] for k, v in FAULTS.items()]
+    res, _ = run_worker(tmp_path, world=4, mode="checks", loader_faults=faults)
+    for r, d in res.items():
+        data = [o for o in d["ops"] if o["group"] == "data"]
+        control = [o for o in d["ops"] if o["group"] == "control"]
+        assert [o for o in d["ops"] if o["group"] not in ("data", "control")] == []
+        assert {o["op"] for o in data} == {"isend", "irecv"} and {x for o in data for x in o["dtype"]} == {"torch.bfloat16"}
+        assert sorted(b for o in data for b in o["bytes"]) == d["message_bytes"] and d["message_bytes"]
+        assert {o["op"] for o in control} == {"all_gather", "all_to_all_single"}
+        for o in control:
+            assert set(o["dtype"]) <= {"torch.uint8", "torch.int64"}, o
+            assert max(o["bytes"]) <= max(1024, 8 * d["pieces"]), o
+        assert d["ours"]["verified_pieces"] > 0 and d["ours"]["tensors_delivered"] > 0
+        for kind, (hf, where) in FAULTS.items():
+            e = d["errors"][kind]
+            assert e == res[0]["errors"][kind], (r, kind)  # every rank fails with the same line
+            assert e.startswith("weight sync verification failed: rank 1: vLLM parameter ") and "\n" not in e, e
+            assert f"vLLM parameter {where} does not hold" in e and f"HF tensor {hf} region" in e and e.endswith("vLLM weights updated but wrong"), e
+        e = d["errors"]["vllm_ranks"]
+        assert e == ("weight sync refused before any transfer: rank 1: vLLM runs DP rank 1 of 2 here, the schedule "
+                     "plans vLLM TP2 x DP2 EP4 DP rank 0 of 2; vLLM weights not modified"), e
+
+
 @vllm_needed
 def test_real_colocated_dense_uneven_pp_kv_replication_vocab_padding(tmp_path):
     """verl's hybrid engine on 2 processes: megatron-core GPTModel PP2 with uneven stages (1 + 2 layers) and

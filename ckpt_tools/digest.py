@@ -1,0 +1,77 @@
+"""Bitwise digests of tensor regions, computed on the device where the tensor lives (CPU, CUDA, NPU).
+
+Used by the weight sync's verification (ckpt_tools.sync): the sender digests the bytes it sends, the rollout rank
+digests the region of the vLLM parameter that now holds them, and only the 8-byte digests cross the network.
+
+The digest of a region is a function of its bytes in row-major order, cast to ``dtype`` (exact for the widening
+casts a loader may apply, e.g. bf16 -> fp32 -> bf16): the bytes are read as 64-bit words, each word is multiplied
+by a fixed pseudo-random odd weight of its position in a 2048-word block, each block's sum by a pseudo-random odd
+weight of the block's index, and everything is summed modulo 2**64 with the byte count added. Integer arithmetic
+modulo 2**64 is associative and commutative, so the result does not depend on the device, the reduction order or
+the kernel: equal on every device for equal bytes. Position weights make a shifted row, a swapped pair or a
+misplaced expert change the digest (unlike a plain sum); it is a checksum against loader and transport faults,
+not a cryptographic hash against an adversary.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 2048  # 64-bit words per block (16 KiB)
+SLAB = 256    # blocks multiplied at once into a reused scratch buffer (4 MiB): bounded memory, no page faults
+_MASK = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _MASK
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_K1, _K2, _K3 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_CACHE: dict[str, tuple] = {}
+
+
+def _scratch(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(word weights [BLOCK], scratch [SLAB, BLOCK]) for ``device``, made once."""
+    key = str(device)
+    got = _CACHE.get(key)
+    if got is None:
+        g = torch.Generator().manual_seed(0x5EED)
+        w = (torch.randint(-(1 << 62), 1 << 62, (BLOCK,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
+        got = _CACHE[key] = (w, torch.empty((SLAB, BLOCK), dtype=torch.int64, device=device))
+    return got
+
+
+def _block_weights(n: int, device) -> torch.Tensor:
+    """splitmix64-style mix of the block index (arithmetic shifts: deterministic everywhere), forced odd."""
+    z = (torch.arange(1, n + 1, dtype=torch.int64, device=device)) * _K1
+    z = (z ^ (z >> 30)) * _K2
+    z = (z ^ (z >> 27)) * _K3
+    return (z ^ (z >> 31)) | 1
+
+
+def digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """0-d int64 tensor on ``t``'s device: the digest of ``t``'s elements (row-major) as ``dtype`` bytes."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.storage_offset() % 8:  # a 64-bit view needs an aligned start
+        b = b.clone()
+    n = b.numel()
+    nfull = n // (8 * BLOCK)
+    total = torch.full((), n, dtype=torch.int64, device=b.device)
+    w, scratch = _scratch(b.device)
+    if nfull:
+        words = b[:nfull * 8 * BLOCK].view(torch.int64).view(nfull, BLOCK)
+        bw = _block_weights(nfull, b.device)
+        for s in range(0, nfull, SLAB):
+            m = min(SLAB, nfull - s)
+            prod = torch.mul(words[s:s + m], w, out=scratch[:m])
+            total = total + (prod.sum(1) * bw[s:s + m]).sum()
+    rest = n - nfull * 8 * BLOCK
+    if rest:
+        tail = torch.zeros(8 * BLOCK, dtype=torch.uint8, device=b.device)
+        tail[:rest] = b[nfull * 8 * BLOCK:]
+        k = (rest + 7) // 8
+        bw = _block_weights(nfull + 1, b.device)[nfull]
+        total = total + (tail.view(torch.int64)[:k] * w[:k]).sum() * bw
+    return total

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (import the one you use; each patches only when imported)."""
