@@ -227,12 +227,15 @@ def main(argv=None) -> int:
 
 
 def _safe_streams() -> list:
-    """stdout / stderr switched to ``errors="backslashreplace"``; returns what to restore."""
+    """stdout / stderr switched to fsutil.PRINT_ERRORS (a path byte that is not UTF-8 printed as ``\\xNN``,
+    never a UnicodeEncodeError after the output was published); returns what to restore."""
+    from .fsutil import PRINT_ERRORS
+
     done = []
     for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) not in (None, "backslashreplace"):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) not in (None, PRINT_ERRORS):
             done.append((stream, stream.errors))
-            stream.reconfigure(errors="backslashreplace")
+            stream.reconfigure(errors=PRINT_ERRORS)
     return done
 
 

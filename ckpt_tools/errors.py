@@ -19,11 +19,11 @@ OK, DIFFERENT, BAD_INPUT, ENVIRONMENT = 0, 1, 2, 3
 
 EXIT_CODES = (
     (OK, "done (`verify`: no difference)"),
-    (DIFFERENT, "`verify` found a difference, a missing/extra key, a coverage gap or (single-side) a structure, "
-                "manifest or checksum problem"),
+    (DIFFERENT, "`verify` found a difference, a missing/extra key, a coverage gap or (single-side) a structure "
+                "problem, a malformed manifest or a checksum mismatch"),
     (BAD_INPUT, "bad input or usage: one line `ckpt-tools CMD: error: ...` naming the path or flag (argparse's "
-                "usage errors too): a config field, a malformed manifest, a checkpoint that cannot be opened (a "
-                "missing file), an `--out` that is refused (including a foreign `OUT.lock`)"),
+                "usage errors too): a bad config field, a checkpoint that cannot be opened (e.g. a file missing), "
+                "a refused `--out` (an `OUT.lock` that is not ours included)"),
     (ENVIRONMENT, "I/O or environment failure: disk full (ENOSPC), read-only file system (EROFS), permission "
                   "(EACCES), EIO, another run holding `--out`; one line naming the path (or `--out`) and the errno"),
     (128 + signal.SIGINT, "interrupted by SIGINT: the partial output was removed"),

@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import codecs
 import ctypes
 import errno
 import fcntl
@@ -491,11 +492,16 @@ def discard(tmp: str):
 def write_file(path: str, data: bytes, sync: bool = True):
     """Write a small file with plain ``os`` calls, so that every failure is an ``OSError`` with its errno
     (ENOSPC: exit 3); torch.save / C++ streams report a full disk as ``RuntimeError: ... iostream error``."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:  # write/flush/close name no file: say which one (exit 3's one line)
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
 
 
 def read_json(path: str, error=OutError) -> dict:
@@ -516,6 +522,21 @@ def show(path) -> str:
     """A path for a message: bytes that are not UTF-8 (kept by Python as surrogates) shown as ``\\xNN``, so
     printing it never raises, whatever the output encoding."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _escape_for_print(e: UnicodeEncodeError):
+    """Error handler of stdout / stderr (:data:`PRINT_ERRORS`): an undecodable path byte (a surrogate) as
+    ``\\xNN``, as :func:`show` writes it; any other unencodable character as ``backslashreplace`` does."""
+    if not isinstance(e, UnicodeEncodeError):
+        raise e
+    bad = e.object[e.start:e.end]
+    if all(0xDC80 <= ord(c) <= 0xDCFF for c in bad):
+        return "".join(f"\\x{ord(c) - 0xDC00:02x}" for c in bad), e.end
+    return codecs.backslashreplace_errors(e)
+
+
+PRINT_ERRORS = "ckpt-tools-print"
+codecs.register_error(PRINT_ERRORS, _escape_for_print)
 
 
 TEST_HOLD = "CKPT_TOOLS_TEST_HOLD"

@@ -345,7 +345,7 @@ def test_index_entries_outside_the_model_dir_are_refused(tiny_hf, tmp_path, caps
 
 
 # ----------------------------------------------------------------------------------- 6. faults and exit codes
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_remove_the_partial_output(tiny_hf, tmp_path, sig):
     out = tmp_path / "out"
     p, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
