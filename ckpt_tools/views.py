@@ -6,7 +6,6 @@ verification are all "read HF boxes from one view, place them by another layout"
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
