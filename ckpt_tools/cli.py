@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import signal
@@ -11,10 +10,10 @@ import threading
 
 from .progress import parse_size
 
+from .errors import EXIT_CODES, Terminated, describe_oserror, exit_code
+
 EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
-          "Exit codes: 0 ok; 1 verify found differences; 2 bad input or usage (one line naming the path or flag); "
-          "3 I/O or environment failure (disk full, read-only file system, permission, another run holding --out); "
-          "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP (partial output removed).")
+          "Exit codes: " + "; ".join(f"{c} {m.replace('`', '')}" for c, m in EXIT_CODES) + ".")
 
 
 def _layers(s):
@@ -185,15 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM / SIGHUP (SLURM and Kubernetes preemption, a closed terminal), raised in the main thread like
-    SIGINT's KeyboardInterrupt, so every writer's cleanup (the OUT.partial-PID dir) runs the same way."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _on_signal(signum, frame):
     for s in (signal.SIGTERM, signal.SIGHUP):  # a second one must not interrupt the cleanup
         signal.signal(s, signal.SIG_IGN)
@@ -202,40 +192,51 @@ def _on_signal(signum, frame):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .fsutil import OutError
-    from .model_config import ConfigError
-    from .safe_pickle import UnsafePickleError
-    from .views import ERRORS
+    from .fsutil import show
 
     old = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGHUP):
             old[s] = signal.signal(s, _on_signal)
+    streams = _safe_streams()  # a path that is not UTF-8 never makes a print raise, whatever the locale
     try:
         return _run(args)
-    except ERRORS + (ConfigError, OutError, UnsafePickleError) as e:
-        print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    except Terminated as e:
-        print(f"ckpt-tools {args.cmd}: terminated by {signal.Signals(e.signum).name}; partial output removed",
-              file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("interrupted; partial output removed", file=sys.stderr)
-        return 130
-    except OSError as e:  # ENOSPC, EROFS, EACCES, EIO, ...: the environment, not the input
-        out = getattr(args, "out", None)
-        where = e.filename if e.filename else (f"--out {out}" if out else args.cmd)
-        code = errno.errorcode.get(e.errno, "") if e.errno else ""
-        print(f"ckpt-tools {args.cmd}: error: {where}: {e.strerror or e}" + (f" ({code})" if code else ""),
-              file=sys.stderr)
-        return 3
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - mapped by errors.exit_code, else re-raised
+        code = exit_code(e)
+        if code is None:
+            raise  # a bug: the traceback is the report
+        if isinstance(e, Terminated):
+            msg = f"terminated by {signal.Signals(e.signum).name}; partial output removed"
+        elif isinstance(e, KeyboardInterrupt):
+            msg = "interrupted; partial output removed"
+        elif isinstance(e, OSError):  # ENOSPC, EROFS, EACCES, EIO, ...: the environment, not the input
+            out = getattr(args, "out", None)
+            msg = "error: " + describe_oserror(e, f"--out {show(out)}" if out else args.cmd)
+        else:
+            msg = f"error: {e}"
+        print(f"ckpt-tools {args.cmd}: {msg}", file=sys.stderr)
+        return code
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        for stream, errors in streams:
+            stream.reconfigure(errors=errors)
         for t in threading.enumerate():  # exiting while torch DCP imports in the background aborts (SIGABRT)
             if t.name == "import-dcp":
                 t.join(timeout=120)
+
+
+def _safe_streams() -> list:
+    """stdout / stderr switched to fsutil.PRINT_ERRORS (a path byte that is not UTF-8 printed as ``\\xNN``,
+    never a UnicodeEncodeError after the output was published); returns what to restore."""
+    from .fsutil import PRINT_ERRORS
+
+    done = []
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) not in (None, PRINT_ERRORS):
+            done.append((stream, stream.errors))
+            stream.reconfigure(errors=PRINT_ERRORS)
+    return done
 
 
 def _dump(obj, path):
@@ -385,8 +386,9 @@ def _run(args) -> int:
             if not os.path.isdir(p):
                 print(f"ckpt-tools verify: error: --{k} {p}: not a directory", file=sys.stderr)
                 return 2
+            view = open_side(k, p)  # one that cannot be opened (a missing file) is bad input: exit 2
             try:
-                rep = check_one(open_side(k, p), progress=prog)
+                rep = check_one(view, progress=prog)
             except ERRORS as e:
                 rep = {"ok": False, "path": p, "kind": k, "problems": [str(e)], "notes": [], "loaders": None}
             print_one(rep, sys.stdout)
@@ -459,7 +461,6 @@ def _run(args) -> int:
         info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
         if v.kind == "vllm":
             info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
-            info["integrity"] = v.integrity() or "ok"
         for k, val in info.items():
             print(f"{k:>12}: {format_loaders(val) if k == 'loaders' else val}")
         _dump(info, args.json)

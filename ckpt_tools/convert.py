@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .fsutil import check_out, discard, publish, staging
+from .fsutil import SIDE_CAR, check_out, discard, publish, staging
 from .hf import HFShardWriter, copy_side_files
 from .integrity import write_manifest
 from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, boxes_disjoint_cover
@@ -19,7 +19,6 @@ from .torch_dist import write_torch_dist
 from .views import VLLM_META, FormatError, HFView, McoreView, open_view, vllm_shard_files, widest
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SIDE_CAR = "ckpt_tools.json"
 
 
 def _dtype(name, default):

@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from .errors import InputError
 from .layout import Box
 
 INDEX = "model.safetensors.index.json"
@@ -15,7 +16,7 @@ COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 
 
-class HFError(ValueError):
+class HFError(InputError):
     pass
 
 

@@ -22,6 +22,9 @@ import os
 
 import xxhash
 
+from .errors import InputError
+from .fsutil import read_json, show
+
 MANIFEST = "ckpt_tools.manifest.json"
 ALGORITHM = "xxh3_64"
 _PIECE = 16 << 20  # bounded reads while hashing a file range
@@ -87,18 +90,51 @@ def write_manifest(root: str, hashes: list, skip=()) -> dict:
     return man
 
 
+class ManifestError(InputError):
+    """The manifest itself is unreadable or malformed (one line naming it)."""
+
+
+def _schema_problem(man: dict) -> str | None:
+    """What makes ``man`` not a manifest this version can check, or None. Every listed path must stay inside
+    the directory, and each file's ranges must cover ``[0, size)`` in order (else a manifest could check
+    nothing and still pass)."""
+    if man.get("format") != "ckpt-tools-manifest" or man.get("version") != 1:
+        return f"format {man.get('format')!r} version {man.get('version')!r} (expected 'ckpt-tools-manifest' 1)"
+    if man.get("algorithm") != ALGORITHM:
+        return f"unknown algorithm {man.get('algorithm')!r} (this version checks {ALGORITHM})"
+    files = man.get("files")
+    if not isinstance(files, dict):
+        return f"'files' is a {type(files).__name__}, not an object"
+    isint = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    for rel, ent in files.items():
+        parts = rel.split("/")
+        if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            return f"entry {rel!r} is not a plain path inside the directory"
+        if not isinstance(ent, dict) or not isint(ent.get("size")) or not isinstance(ent.get("ranges"), list):
+            return f"entry {rel!r} is not {{'size': int, 'ranges': [...]}} (got {str(ent)[:80]})"
+        pos = 0
+        for r in ent["ranges"]:
+            if not (isinstance(r, list) and len(r) == 4 and isint(r[0]) and isint(r[1]) and isinstance(r[2], str)
+                    and isinstance(r[3], str)):
+                return f"entry {rel!r}: range {str(r)[:80]} is not [offset, length, hash, what]"
+            if r[0] != pos:
+                return f"entry {rel!r}: ranges leave a gap or overlap at byte {pos}"
+            pos += r[1]
+        if pos != ent["size"]:
+            return f"entry {rel!r}: ranges cover {pos} of its {ent['size']} bytes"
+    return None
+
+
 def load_manifest(root: str):
-    """The manifest of ``root``, None when there is none; a one-line ValueError when it is unreadable."""
+    """The manifest of ``root``, None when there is none; a one-line :class:`ManifestError` when it is
+    unreadable (not UTF-8, truncated JSON) or does not follow the schema above."""
     fp = os.path.join(root, MANIFEST)
-    if not os.path.isfile(fp):
+    if not os.path.lexists(fp):
         return None
-    try:
-        with open(fp) as f:
-            man = json.load(f)
-        if man.get("algorithm") != ALGORITHM or not isinstance(man.get("files"), dict):
-            raise ValueError(f"algorithm {man.get('algorithm')!r}")
-    except (ValueError, AttributeError) as e:
-        raise ValueError(f"{fp}: not a readable ckpt-tools manifest ({e})") from None
+    man = read_json(fp, ManifestError)
+    bad = _schema_problem(man)
+    if bad:
+        raise ManifestError(f"{show(fp)}: not a valid ckpt-tools manifest: {bad}")
     return man
 
 

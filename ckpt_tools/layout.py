@@ -16,8 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from .errors import InputError
 
-class LayoutError(ValueError):
+
+class LayoutError(InputError):
     """Bad topology or layout request; the message names the offending flag."""
 
 

@@ -5,11 +5,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from importlib import resources
+from .errors import InputError
 
 PRESETS = {"qwen3-235b-a22b": "qwen3-235b-a22b.config.json"}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     pass
 
 
@@ -50,42 +51,66 @@ def load_config(path_or_preset: str) -> ModelConfig:
         raise ConfigError(f"no HF config at {path_or_preset} (expected a model dir, a config.json or one of {sorted(PRESETS)})")
     if p.endswith(".safetensors"):
         raise ConfigError(f"{p} is a weights file: give the model directory (config.json + *.safetensors)")
-    with open(p, "rb") as f:
-        try:
-            d = json.loads(f.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{p}: not a config object")
+    from .fsutil import read_json
+
+    d = read_json(p, ConfigError)
     try:
         return config_from_dict(d)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
 
 
+def _int(d: dict, key: str, default=None, least: int = 1, alias: str | None = None) -> int:
+    """Field ``key`` (or ``alias``) of the config as an int >= ``least``; ``default`` when absent or null.
+    One-line ConfigError naming the field otherwise (``"abc"``, ``true``, ``1.5``, ``0`` heads)."""
+    v = d.get(key)
+    if v is None and alias is not None:
+        key, v = alias, d.get(alias)
+    if v is None:
+        if default is None:
+            raise ConfigError(f"config.json lacks {key!r}")
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ConfigError(f"{key} is {v!r}: not an integer")
+    if v < least:
+        raise ConfigError(f"{key} is {v}: must be >= {least}")
+    return v
+
+
 def config_from_dict(d: dict) -> ModelConfig:
+    """Every field the tool reads, validated one by one (type and range): a bad value is a one-line
+    ConfigError naming the field, never a traceback later."""
     mt = d.get("model_type")
     if mt not in ("qwen3_moe", "qwen3"):
         raise ConfigError(f"model_type {mt!r} is not supported (supported: qwen3_moe, qwen3)")
-    try:
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        layers = int(d["num_hidden_layers"])
-        head_dim = int(d.get("head_dim") or hidden // heads)
-        # transformers >= 5 writes num_local_experts (num_experts is its attribute alias)
-        experts = int(d.get("num_experts") or d.get("num_local_experts") or 0) if mt == "qwen3_moe" else 0
-        if experts:
-            step = int(d.get("decoder_sparse_step", 1) or 1)
-            mlp_only = set(d.get("mlp_only_layers") or [])
-            # vllm/model_executor/models/qwen3_moe.py and transformers' Qwen3MoeDecoderLayer use this rule
-            moe_layers = tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
-        else:
-            moe_layers = ()
-        return ModelConfig(
-            model_type=mt, hidden=hidden, layers=layers, heads=heads,
-            kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=head_dim,
-            vocab=int(d["vocab_size"]), experts=experts, topk=int(d.get("num_experts_per_tok") or 0),
-            moe_ffn=int(d.get("moe_intermediate_size") or 0), ffn=int(d.get("intermediate_size") or 0),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)), moe_layers=moe_layers, raw=d)
-    except KeyError as e:
-        raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+    heads = _int(d, "num_attention_heads")
+    hidden = _int(d, "hidden_size")
+    layers = _int(d, "num_hidden_layers")
+    head_dim = _int(d, "head_dim", default=max(1, hidden // heads))
+    kv_heads = _int(d, "num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    vocab = _int(d, "vocab_size")
+    # transformers >= 5 writes num_local_experts (num_experts is its attribute alias)
+    experts = _int(d, "num_experts", 0, 0, alias="num_local_experts") if mt == "qwen3_moe" else 0
+    topk = _int(d, "num_experts_per_tok", 0, 0)
+    moe_ffn, ffn = _int(d, "moe_intermediate_size", 0, 0), _int(d, "intermediate_size", 0, 0)
+    if experts and topk > experts:
+        raise ConfigError(f"num_experts_per_tok is {topk}: more than num_experts ({experts})")
+    tie = d.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"tie_word_embeddings is {tie!r}: not true/false")
+    if experts:
+        step = _int(d, "decoder_sparse_step", 1)
+        mlp_only = d.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+            raise ConfigError(f"mlp_only_layers is {mlp_only!r}: not a list of layer numbers")
+        # vllm/model_executor/models/qwen3_moe.py and transformers' Qwen3MoeDecoderLayer use this rule
+        moe_layers = tuple(i for i in range(layers) if i not in set(mlp_only) and (i + 1) % step == 0)
+    else:
+        moe_layers = ()
+    return ModelConfig(model_type=mt, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                       head_dim=head_dim, vocab=vocab, experts=experts, topk=topk, moe_ffn=moe_ffn, ffn=ffn,
+                       tie_embeddings=tie, moe_layers=moe_layers, raw=d)

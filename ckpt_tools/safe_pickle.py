@@ -18,8 +18,10 @@ import pickle
 
 import torch
 
+from .errors import InputError
 
-class UnsafePickleError(ValueError):
+
+class UnsafePickleError(InputError):
     """A pickle names a global that is not on the allow-list (possibly crafted to run code)."""
 
 

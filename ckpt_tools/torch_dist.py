@@ -24,7 +24,8 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from .fsutil import check_out, discard, publish, staging
+from .errors import InputError
+from .fsutil import check_out, discard, hold_point, publish, read_json, staging, write_file
 from .integrity import write_manifest
 from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
 from .progress import Progress
@@ -33,7 +34,7 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
 
-class DistCkptError(ValueError):
+class DistCkptError(InputError):
     pass
 
 
@@ -219,6 +220,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         except EngineError as e:
             raise DistCkptError(str(e)) from None
         bar.close()
+        hold_point("data-written")
         m = dcp()
         sdm = {}
         TensorStorageMetadata, TensorProperties, ChunkStorageMetadata = \
@@ -237,12 +239,9 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         md = m.Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
                         storage_meta=m.StorageMeta(), version="1.0.0")
         md.mcore_data = {k: {} for k in layout.tensors}
-        torch.save({}, os.path.join(tmp, "common.pt"))
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(METADATA_JSON, f)
-        with open(os.path.join(tmp, ".metadata"), "wb") as f:
-            pickle.dump(md, f)
-            os.fsync(f.fileno())
+        write_file(os.path.join(tmp, "common.pt"), _save_bytes({}), sync=False)  # not torch.save(path): ENOSPC
+        write_file(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON).encode(), sync=False)
+        write_file(os.path.join(tmp, ".metadata"), pickle.dumps(md))
         write_manifest(tmp, hashes)
         publish(tmp, out_dir, DistCkptError)
     except BaseException:
@@ -267,11 +266,7 @@ class TorchDistReader:
         mj = os.path.join(path, "metadata.json")
         if not os.path.isfile(mj):
             raise DistCkptError(f"{path}: no metadata.json - not a megatron dist checkpoint")
-        try:
-            with open(mj) as f:
-                backend = json.load(f).get("sharded_backend")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise DistCkptError(f"{mj}: unreadable ({e})") from None
+        backend = read_json(mj, DistCkptError).get("sharded_backend")
         if backend != "torch_dist":
             raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
         m = dcp()

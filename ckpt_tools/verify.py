@@ -11,7 +11,7 @@ import json
 import torch
 
 from .engine import row_blocks
-from .integrity import MANIFEST, check_manifest, check_sizes, load_manifest
+from .integrity import MANIFEST, ManifestError, check_manifest, check_sizes, load_manifest
 from .layout import box_shape, box_shift, box_slices
 from .views import VllmView
 
@@ -188,7 +188,8 @@ def check_one(view, progress: bool = True) -> dict:
         if not any(r.get("ok") for r in loaders.values()):
             problems.append("no known megatron loader (te, local, mindspeed) finds every key it asks for: "
                             + format_loaders(loaders))
-    man = load_manifest(view.path)
+    man, bad = _manifest(view.path)
+    problems += bad
     checked = 0
     if man is None:
         notes.append(f"no manifest: data not checked ({MANIFEST} absent)")
@@ -207,14 +208,25 @@ def check_one(view, progress: bool = True) -> dict:
             "manifest": man is not None, "checked_bytes": checked, "loaders": loaders}
 
 
+def _manifest(root: str):
+    """(manifest or None, problems): a malformed manifest is a problem of the checkpoint, reported as such."""
+    try:
+        return load_manifest(root), []
+    except ManifestError as e:
+        return None, [str(e)]
+
+
 def inspect_checks(view) -> dict:
     """What ``inspect`` reports without reading the data: structure and coverage, the manifest's presence and
     every listed file's size."""
     problems = list(view.integrity())
     if view.kind == "mcore":
         problems += view.ckpt.structure()
-    man = load_manifest(view.path)
-    if man is None:
+    man, bad = _manifest(view.path)
+    problems += bad
+    if bad:
+        manifest = "unreadable (data not checked)"
+    elif man is None:
         manifest = "none (data not checked)"
     else:
         sz = check_sizes(view.path, man)

@@ -6,11 +6,12 @@ verification are all "read HF boxes from one view, place them by another layout"
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
+from .errors import InputError
+from .fsutil import read_json
 from .hf import HFError, HFReader
 from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
 from .mapping import MegatronLayout, VllmLayout, hf_shapes
@@ -20,7 +21,7 @@ from .torch_dist import DistCkptError, TorchDistReader
 VLLM_META = "vllm_layout.json"
 
 
-class FormatError(ValueError):
+class FormatError(InputError):
     pass
 
 
@@ -243,20 +244,19 @@ class VllmView:
         mp = os.path.join(path, VLLM_META)
         if not os.path.isfile(mp):
             raise FormatError(f"{path}: no {VLLM_META} - not a ckpt-tools vLLM shard directory")
-        with open(mp) as f:
-            meta = json.load(f)
+        meta = read_json(mp, FormatError)
         if "vllm_version" not in meta:
             raise FormatError(f"{path}: written by an older ckpt-tools (rank_*/ layout); run reshard again")
         self.meta = meta
         try:
-            self.version, self.names = vllm_names.table(meta["vllm_version"])
+            self.version, self.name_table = vllm_names.table(meta["vllm_version"])
         except vllm_names.UnknownVersion as e:
             raise FormatError(f"{path}: {VLLM_META}: {e}") from None
         self.cfg = cfg or load_config(os.path.join(path, "config.json"))
         self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
-        self.layout = VllmLayout(self.cfg, self.par, self.names)
+        self.layout = VllmLayout(self.cfg, self.par, self.name_table)
         self.shapes = hf_shapes(self.cfg)
-        self.files = vllm_shard_files(self.par, self.names, meta.get("dp_dirs", False))
+        self.files = vllm_shard_files(self.par, self.name_table, meta.get("dp_dirs", False))
         self.readers, by_file = {}, {}
         for r, rel in self.files.items():
             fp = os.path.join(path, rel)

@@ -189,9 +189,12 @@ def test_existing_output_needs_overwrite(tiny_hf, tmp_path, capsys):
     assert "not a Megatron torch_dist checkpoint" in capsys.readouterr().err and os.listdir(out) == ["keep"]
     shutil.rmtree(out)
     assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress"]) == 0
-    open(os.path.join(out, "keep"), "w").write("x")  # a file added to a checkpoint goes with it
+    open(os.path.join(out, "keep"), "w").write("x")  # issue 18: a file we did not write is never deleted
+    assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 2
+    assert "holds files ckpt-tools did not write: keep" in capsys.readouterr().err
+    assert open(os.path.join(out, "keep")).read() == "x" and ".metadata" in os.listdir(out)
+    os.remove(os.path.join(out, "keep"))
     assert cli.main(["hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress", "--overwrite"]) == 0
-    assert "keep" not in os.listdir(out) and ".metadata" in os.listdir(out)
 
 
 def test_interrupted_write_leaves_nothing(tiny_hf, tmp_path):

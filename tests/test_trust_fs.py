@@ -187,35 +187,32 @@ def test_out_never_deletes_inputs_or_unrelated_files(tiny_hf, mc, tmp_path, caps
     assert json.load(open(os.path.join(mcc, "ckpt_tools.json")))["tp"] == 2
 
 
-HOLD = r"""
-import os, sys, time
-sys.path.insert(0, os.environ["CKPT_ROOT"])
-from ckpt_tools import engine
-orig = engine.Engine._run_unit
-def held(self, u):  # a slow disk: each unit waits (the partial dir and the lock exist by now)
-    open(os.environ["CKPT_MARKER"], "a").close()
-    t = time.time() + float(os.environ["CKPT_HOLD"])
-    while not self._failed and time.time() < t:
-        time.sleep(0.02)
-    return orig(self, u)
-engine.Engine._run_unit = held
-from ckpt_tools.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+def _start_held(tmp_path, point, *argv):
+    """Start a CLI run that stops at ``point`` (fsutil.hold_point: the CKPT_TOOLS_TEST_HOLD hook) and return
+    (process, release): the run stays there until ``release()``; no sleeps, whatever the machine's load."""
+    fifo = str(tmp_path / f"hold_{point}_{len(os.listdir(tmp_path))}")
+    os.mkfifo(fifo)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CKPT_TOOLS_TEST_HOLD=f"{point}:{fifo}")
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_tools.cli", *map(str, argv)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while True:  # a writer can open the FIFO once the run has opened it for reading: it is at the point then
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        if p.poll() is not None:
+            raise AssertionError(f"the run ended before reaching {point}: {p.communicate()}")
+        time.sleep(0.01)  # waiting for an event (not a timing assumption): the run's start-up
+    held = [fd]
 
+    def release():
+        if held:
+            os.close(held.pop())
+            os.remove(fifo)
 
-def _start_held(tmp_path, hold, *argv):
-    marker = str(tmp_path / f"started_{time.monotonic_ns()}")
-    env = dict(os.environ, CKPT_ROOT=ROOT, CKPT_MARKER=marker, CKPT_HOLD=str(hold), PYTHONPATH=ROOT,
-               OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-c", HOLD, *map(str, argv)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    t = time.time() + 120
-    while not os.path.exists(marker):
-        assert p.poll() is None, p.communicate()
-        assert time.time() < t, "held run did not start copying"
-        time.sleep(0.05)
-    return p
+    return p, release
 
 
 def _cli_sub(*argv):
@@ -225,15 +222,17 @@ def _cli_sub(*argv):
 
 
 def test_two_concurrent_runs_one_fails_cleanly(tiny_hf, tmp_path):
+    """Run A is held with OUT locked (a test hook, not a sleep); run B meanwhile exits 3; A then completes."""
     out = tmp_path / "out"
-    a = _start_held(tmp_path, 4, "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
+    a, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
     b = _cli_sub("hf2mcore", "--hf", tiny_hf, "--out", out, "--tp", 2, "--no-progress")
-    assert b.returncode == 3, b.stderr
-    _one_line(b.stderr.strip().splitlines(), f"--out {out}", "another ckpt-tools run")
+    release()
     sa, ea = a.communicate(timeout=300)
+    assert b.returncode == 3, b.stderr
+    _one_line(b.stderr.strip().splitlines(), f"--out {out}", f"another ckpt-tools run (pid {a.pid})")
     assert a.returncode == 0, ea
     assert json.load(open(out / "ckpt_tools.json"))["tp"] == 1  # A's output, not replaced by B
-    assert sorted(os.listdir(tmp_path)) == sorted(["out"] + [f for f in os.listdir(tmp_path) if f.startswith("started_")])
+    assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
 def test_directory_appearing_at_out_is_not_replaced(tiny_hf, tmp_path, capsys, monkeypatch):
@@ -349,30 +348,40 @@ def test_index_entries_outside_the_model_dir_are_refused(tiny_hf, tmp_path, caps
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_remove_the_partial_output(tiny_hf, tmp_path, sig):
     out = tmp_path / "out"
-    p = _start_held(tmp_path, 120, "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
+    p, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
     assert [f for f in os.listdir(tmp_path) if f.startswith("out.partial-")]
-    t0 = time.time()
     p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
-    assert time.time() - t0 < 30
+    _, err = p.communicate(timeout=120)
+    release()
     assert p.returncode == 128 + sig, err
-    _one_line(err.strip().splitlines(), f"terminated by {signal.Signals(sig).name}", "partial output removed")
-    assert sorted(f for f in os.listdir(tmp_path) if not f.startswith("started_")) == []
+    _one_line(err.strip().splitlines(), "partial output removed")
+    if sig != signal.SIGINT:
+        _one_line(err.strip().splitlines(), f"terminated by {signal.Signals(sig).name}")
+    assert os.listdir(tmp_path) == []
 
 
 def test_stale_partial_of_a_dead_process_is_removed_by_the_next_run(tiny_hf, tmp_path):
+    """A run killed by SIGKILL leaves OUT.partial-PID (with our ownership record) and OUT.lock: the next run
+    removes both; directories named alike without the record (a user's) are not touched."""
     out = tmp_path / "out"
+    p, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
+    p.kill()
+    p.communicate()
+    release()
+    stale = [tmp_path / f for f in os.listdir(tmp_path) if f.startswith("out.partial-")]
+    assert len(stale) == 1 and (tmp_path / "out.lock").exists()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"out.partial-{dead.pid}"
-    (stale / "sub").mkdir(parents=True)
-    (stale / "sub" / "__0_0.distcp").write_bytes(b"x" * 1000)
-    live = tmp_path / f"out.partial-{os.getpid()}"  # a live process: not ours to remove
-    live.mkdir()
+    users = [tmp_path / f"out.partial-{dead.pid}", tmp_path / "out.old-20241201"]  # named like ours, no record
+    for u in users:
+        (u / "sub").mkdir(parents=True)
+        (u / "sub" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    before = {str(u): _tree(u) for u in users}
     r = _cli_sub("hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert not stale.exists() and live.exists()
-    assert f"removed stale partial output {stale} (process {dead.pid} is not running)" in r.stderr
+    assert not stale[0].exists() and {str(u): _tree(u) for u in users} == before
+    assert f"removed stale partial output {stale[0]} (process {p.pid} is not running)" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["out"] + [u.name for u in users])
 
 
 def test_exit_2_bad_input_one_line_before_any_work(tiny_hf, tmp_path, capsys, monkeypatch):

@@ -198,3 +198,17 @@ def test_verify_memory_stays_bounded_with_a_tensor_larger_than_max_memory(tiny_h
         peak, rc, out = _peak(["verify"] + big_args + mm)
         assert rc == 0, out
         assert peak - base < max_mem * 1.5 + (32 << 20), (big_args, peak >> 20, base >> 20)
+
+
+@pytest.mark.parametrize("kind", ["mcore", "hf", "vllm"])
+def test_inspect_every_output_kind(outputs, kind, tmp_path, capsys):
+    """Issue 18: inspect crashed on every vLLM dir (an attribute hid VllmView.names()) and its integrity line
+    dropped the manifest's findings there. Untampered: ok; a listed file of another size: reported."""
+    rc, out = _inspect(capsys, outputs[kind], outputs["src"])
+    assert rc == 0 and "integrity: ok" in out and f"format: {kind}" in out and "sizes ok" in out, out
+    bad = str(tmp_path / "bad")
+    shutil.copytree(outputs[kind], bad)
+    with open(os.path.join(bad, "config.json" if kind != "mcore" else "metadata.json"), "a") as f:
+        f.write(" ")  # still valid JSON, one byte longer than the manifest says
+    rc, out = _inspect(capsys, bad, outputs["src"])
+    assert rc == 0 and "integrity: ok" not in out and "sizes WRONG" in out and "says" in out, out
