@@ -12,7 +12,7 @@ import threading
 from .progress import parse_size
 
 EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
-          "Exit codes: 0 ok; 1 verify found differences; 2 bad input or usage (one line naming the path or flag); "
+          "Exit codes: 0 ok; 1 verify found differences, or a source does not match its checksum manifest; 2 bad input or usage (one line naming the path or flag); "
           "3 I/O or environment failure (disk full, read-only file system, permission, another run holding --out); "
           "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP (partial output removed).")
 
@@ -203,6 +203,7 @@ def _on_signal(signum, frame):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .fsutil import OutError
+    from .integrity import IntegrityError
     from .model_config import ConfigError
     from .safe_pickle import UnsafePickleError
     from .views import ERRORS
@@ -213,6 +214,9 @@ def main(argv=None) -> int:
             old[s] = signal.signal(s, _on_signal)
     try:
         return _run(args)
+    except IntegrityError as e:  # the source differs from its own manifest: nothing was written
+        print(f"ckpt-tools {args.cmd}: error: {e}; the source is corrupted, no output was written", file=sys.stderr)
+        return 1
     except ERRORS + (ConfigError, OutError, UnsafePickleError) as e:
         print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -141,6 +141,7 @@ def test_allow_list_loads_megatron_and_verl_metadata(tiny_hf, mc, tmp_path, caps
         TensorProperties(dtype=torch.float32), torch.Size([64]), [])
     md.mcore_data[k] = {"nd_reformulated_orig_global_shape": (64,)}
     pickle.dump(md, open(os.path.join(d, ".metadata"), "wb"))
+    os.remove(os.path.join(d, "ckpt_tools.manifest.json"))  # megatron writes none (and .metadata was edited)
     got = load_metadata(os.path.join(d, ".metadata"))
     assert got.state_dict_metadata == md.state_dict_metadata and got.storage_data == md.storage_data
     assert got.mcore_data == md.mcore_data and got.storage_meta.checkpoint_id == pathlib.PosixPath(d)
