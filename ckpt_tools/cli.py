@@ -193,6 +193,7 @@ def _on_signal(signum, frame):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .fsutil import show
+    from .integrity import IntegrityError
 
     old = {}
     if threading.current_thread() is threading.main_thread():
@@ -209,6 +210,8 @@ def main(argv=None) -> int:
             msg = f"terminated by {signal.Signals(e.signum).name}; partial output removed"
         elif isinstance(e, KeyboardInterrupt):
             msg = "interrupted; partial output removed"
+        elif isinstance(e, IntegrityError):  # the source differs from its own manifest: nothing was written
+            msg = f"error: {e}; the source is corrupted, no output was written"
         elif isinstance(e, OSError):  # ENOSPC, EROFS, EACCES, EIO, ...: the environment, not the input
             out = getattr(args, "out", None)
             msg = "error: " + describe_oserror(e, f"--out {show(out)}" if out else args.cmd)

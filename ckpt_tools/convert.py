@@ -16,6 +16,7 @@ from .mapping import MegatronLayout, VllmLayout
 from .model_config import load_config
 from .progress import Progress
 from .torch_dist import write_torch_dist
+from .verify import checked_source
 from .views import VLLM_META, FormatError, HFView, McoreView, open_view, vllm_shard_files, widest
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,11 +52,11 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
-    view = HFView(hf, cfg)
+    view, check = checked_source(hf, lambda: HFView(hf, cfg), "hf2mcore")
     dt = _dtype(dtype, None) or _key_dtypes(layout, view)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory,
                            progress=progress, overwrite=overwrite, direct_io=direct_io, io_threads=io_threads,
-                           inputs=inputs)
+                           inputs=inputs, check=check)
     _side_car(out, hf, spec, _dt_name(dt, layout.tensors), par, layout, cfg)
     res.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
     return res
@@ -100,17 +101,14 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     if not (os.path.isfile(os.path.join(src, "metadata.json")) or os.path.isfile(os.path.join(src, ".metadata"))):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
-    view = McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20)
-    problems = view.integrity()
-    if problems:
-        raise FormatError(f"{src}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    view, check = checked_source(src, lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), "reshard")
     par = megatron_parallel(cfg, pp, tp, ep, etp, first, last, layer_list)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
     dt = _dtype(dtype, None) or _key_dtypes(layout, view)
     res = write_torch_dist(out, layout, view, dt, workers=workers, max_memory=max_memory, progress=progress,
                            overwrite=overwrite, direct_io=direct_io, io_threads=io_threads, inputs=inputs,
-                           label="reshard")
+                           label="reshard", check=check)
     dropped = sorted(set(view.ckpt.tensors) - set(view.layout.tensors)) + sorted(
         o for o in view.ckpt.objects if not o.startswith(view.ckpt.prefix + "decoder.")
         and not o.startswith(view.ckpt.prefix + "embedding.") and not o.startswith(view.ckpt.prefix + "output_layer."))
@@ -121,12 +119,12 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     return res
 
 
-def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8, hashes=None):
+def _copy_into(items, workers, max_memory, bar, direct_io=True, io_threads=8, hashes=None, check=None):
     from .engine import EngineError, run_copy
 
     try:
         return run_copy(items, workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
-                        io_threads=io_threads, hashes=hashes)
+                        io_threads=io_threads, hashes=hashes, check=check)
     except EngineError as e:
         raise FormatError(str(e)) from None
 
@@ -151,10 +149,8 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
     check_out(out, "hf", overwrite, inputs, FormatError)  # before any work
     cfg = load_config(hf_config)
-    view = McoreView(mcore, cfg, prefix=prefix, cache_bytes=max(64 << 20, max_memory // (4 * max(1, workers))))
-    problems = view.integrity()
-    if problems:
-        raise FormatError(f"{mcore}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    cache = max(64 << 20, max_memory // (4 * max(1, workers)))
+    view, check = checked_source(mcore, lambda: McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache), "mcore2hf")
     dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
     names = view.names()
     dts = {n: dt or view.dtype_of(n) for n in names}
@@ -164,7 +160,8 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         writer = HFShardWriter(tmp, [(n, view.shapes[n], dts[n]) for n in names], max_shard_size)
         bar = Progress(writer.total, "mcore2hf", enabled=progress)
         hashes = []
-        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads, hashes)
+        stats = _copy_into(_hf_items(view, writer.records()), workers, max_memory, bar, direct_io, io_threads, hashes,
+                           check)
         bar.close()
         index = writer.finish()
         copied = copy_side_files(hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config), tmp)
@@ -213,16 +210,12 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         if ep % tp:
             raise LayoutError(f"--ep ({ep}) must be a multiple of --tp ({tp}): vLLM's EP size is TP x DP")
         dp, expert_parallel = ep // tp, ep > 1
-    view = open_source(src, hf_config, prefix)
+    view, check = checked_source(src, lambda: open_source(src, hf_config, prefix), "reshard")
     if view.kind == "vllm":
         raise FormatError("--from must be an HF or a Megatron checkpoint")
     cfg = view.cfg
     par = VllmParallel(tp, dp, expert_parallel)
     dst = VllmLayout(cfg, par, names)
-    if isinstance(view, McoreView):
-        problems = view.integrity()
-        if problems:
-            raise FormatError(f"{src}: {problems[0]}")
     dt = _dtype(dtype, None)  # None: each tensor in its stored dtype (fused tensors: the widest of their parts)
 
     def dt_of(ts):
@@ -272,7 +265,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         total = sum(x[2].nbytes for x in items)
         bar = Progress(total, "reshard", enabled=progress)
         hashes = []
-        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads, hashes)
+        stats = _copy_into(plan(), workers, max_memory, bar, direct_io, io_threads, hashes, check)
         bar.close()
         cfg_src = hf_config or src
         side_dir = cfg_src if os.path.isdir(cfg_src) else os.path.dirname(cfg_src)

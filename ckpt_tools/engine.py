@@ -297,10 +297,11 @@ def _gather(bufs: list, start: int, out):
 _JUNK = bytearray(256 << 10)  # where bytes read only to keep a stream sequential land (contents unused)
 
 
-def _merge(segs, limit_iov: int = 512, limit_bytes: int = 1 << 30, gap: int = 0):
+def _merge(segs, limit_iov: int = 512, limit_bytes: int = 1 << 30, gap: int = 0, keep_gaps: bool = False):
     """Sort (fd, file offset, buffer) segments and merge runs that are adjacent in the file - or, for reads,
-    less than ``gap`` bytes apart, the gap read into a throwaway buffer - into (fd, offset, [buffers], n):
-    one vectored syscall each."""
+    less than ``gap`` bytes apart, the gap read into a throwaway buffer (``keep_gaps``: a buffer of its own, so
+    that every byte of the run is in memory for the source check) - into (fd, offset, [buffers], n): one
+    vectored syscall each."""
     segs.sort(key=lambda x: (x[0], x[1]))
     out = []
     junk = memoryview(_JUNK)
@@ -311,7 +312,7 @@ def _merge(segs, limit_iov: int = 512, limit_bytes: int = 1 << 30, gap: int = 0)
             hole = off - (lo + ln)
             if lf == fd and 0 <= hole <= min(gap, len(junk)) and len(lb) < limit_iov - 1 and ln + hole + n <= limit_bytes:
                 if hole:
-                    lb.append(junk[:hole])
+                    lb.append(memoryview(bytearray(hole)) if keep_gaps else junk[:hole])
                 lb.append(buf)
                 out[-1] = (lf, lo, lb, ln + hole + n)
                 continue
@@ -354,13 +355,15 @@ class Engine:
     DIRECT_BUF = 16 << 20  # page-aligned per-thread staging buffer for O_DIRECT reads and writes
 
     def __init__(self, workers: int = 2, max_memory: int = 4 << 30, progress=None, readahead: int = 2,
-                 direct: bool = True, io_threads: int = 8, hashes: list | None = None):
+                 direct: bool = True, io_threads: int = 8, hashes: list | None = None, check=None):
         """``readahead``: how many units are planned ahead of the workers. ``direct``: read and write long
         runs with O_DIRECT where the file system allows it (falls back to buffered I/O by itself).
         ``io_threads``: O_DIRECT requests in flight, shared by the workers. ``hashes``: a list that gets
         (path, file offset, length, xxh3_64 hex, record name) for every destination block written, hashed
-        from the arena right before it is written (:mod:`ckpt_tools.integrity`)."""
+        from the arena right before it is written (:mod:`ckpt_tools.integrity`). ``check``: the source's
+        :class:`~ckpt_tools.integrity.SourceCheck`, fed every source byte as it is read."""
         self.hashes = hashes
+        self.check = check
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         self.direct_read = self.direct
         self.io_threads = max(1, int(io_threads))
@@ -571,6 +574,7 @@ class Engine:
                     h = src.expect_head
                     buf = bytearray(len(h))
                     self._pread_into(src, memoryview(buf), src.offset - len(h))
+                    self._feed(src, src.offset - len(h), [buf])
                     st = "fast" if bytes(buf) == h else "slow"
                     self._checked[id(src)] = st
         return st
@@ -581,6 +585,7 @@ class Engine:
         off, length = src.span
         buf = bytearray(length)
         self._pread_into(src, memoryview(buf), off)
+        self._feed(src, off, [buf])
         try:
             t = torch.load(io.BytesIO(buf), weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - a corrupted record raises anything
@@ -589,6 +594,10 @@ class Engine:
             raise EngineError(f"{src.path}: {src.what} at byte {off} holds {getattr(t, 'shape', type(t))} "
                               f"{getattr(t, 'dtype', '')}, metadata says {tuple(src.shape)} {src.dtype}")
         return t
+
+    def _feed(self, src: Rec, off: int, bufs):
+        if self.check is not None:
+            self.check.feed(src.path, off, bufs)
 
     # -- units
     def run(self, units):
@@ -804,7 +813,10 @@ class Engine:
         self._wait_turn(unit)
         t1 = time.perf_counter()
         try:
-            self._read_runs(_merge(reads, gap=self.GAP_FILL), path_of)
+            runs = _merge(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None)
+            self._read_runs(runs, path_of)
+            for fd, off, bufs, _ in runs:  # in read order (the turnstile): each source range hashed as it streams
+                self._feed(path_of[fd], off, bufs)
             t2 = time.perf_counter()
             self._count("t_wait_turn", t1 - t0)
             self._count("t_read", t2 - t1)
@@ -890,14 +902,19 @@ class Engine:
 
 
 def run_copy(items, workers: int = 2, max_memory: int = 4 << 30, progress=None, sync: bool = True,
-             direct: bool = True, io_threads: int = 8, hashes: list | None = None) -> dict:
+             direct: bool = True, io_threads: int = 8, hashes: list | None = None, check=None) -> dict:
     """Copy into destination records: ``items`` yields (destination Rec, [Op into it]) in processing order
     (a generator is fine and is consumed as the copy proceeds). Destination files must exist at their final
     size; they are fsync'ed at the end (``sync``). ``direct``: O_DIRECT writes where possible; without them,
-    pieces of CFR_MIN bytes or more go through copy_file_range."""
-    eng = Engine(workers, max_memory, progress, direct=direct, io_threads=io_threads, hashes=hashes)
+    pieces of CFR_MIN bytes or more go through copy_file_range (not under a source ``check``: those bytes
+    would never pass through memory). ``check``: a :class:`~ckpt_tools.integrity.SourceCheck` of the source,
+    fed every byte read and finished (the ranges read in part re-hashed) before this returns."""
+    eng = Engine(workers, max_memory, progress, direct=direct, io_threads=io_threads, hashes=hashes, check=check)
     try:
-        eng.run(plan_units(items, eng.cap, cfr_min=None if eng.direct else CFR_MIN))
+        eng.run(plan_units(items, eng.cap, cfr_min=None if eng.direct or check is not None else CFR_MIN))
+        if check is not None:
+            check.finish()
+            eng.stats.update(source_stream_bytes=check.stream_bytes, source_rehash_bytes=check.rehash_bytes)
     finally:
         eng.close(sync=sync and not eng._failed)
     return eng.stats

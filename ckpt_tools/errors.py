@@ -20,7 +20,8 @@ OK, DIFFERENT, BAD_INPUT, ENVIRONMENT = 0, 1, 2, 3
 EXIT_CODES = (
     (OK, "done (`verify`: no difference)"),
     (DIFFERENT, "`verify` found a difference, a missing/extra key, a coverage gap or (single-side) a structure "
-                "problem, a malformed manifest or a checksum mismatch"),
+                "problem, a malformed manifest or a checksum mismatch; a conversion's source does not match its "
+                "own manifest (nothing written)"),
     (BAD_INPUT, "bad input or usage: one line `ckpt-tools CMD: error: ...` naming the path or flag (argparse's "
                 "usage errors too): a bad config field, a checkpoint that cannot be opened (e.g. a file missing), "
                 "a refused `--out` (an `OUT.lock` that is not ours included)"),
@@ -46,6 +47,10 @@ class InputError(ValueError):
     ``--out``, manifest, pickle allow-list)."""
 
 
+class IntegrityError(ValueError):
+    """Source bytes that differ from the source's own manifest: the run stops (exit 1), nothing is published."""
+
+
 def exit_code(exc: BaseException) -> int | None:
     """The exit code for an exception that escaped a command; None: a bug (let the traceback show)."""
     if isinstance(exc, Terminated):
@@ -54,6 +59,8 @@ def exit_code(exc: BaseException) -> int | None:
         return 128 + signal.SIGINT
     if isinstance(exc, InputError):
         return BAD_INPUT
+    if isinstance(exc, IntegrityError):
+        return DIFFERENT
     if isinstance(exc, OSError):
         return ENVIRONMENT
     return None

@@ -44,10 +44,10 @@ class HFReader:
         if idx is not None and os.path.isfile(idx):
             with open(idx) as f:
                 try:
-                    wm = json.load(f)["weight_map"]
+                    wm = json.load(f, object_pairs_hook=_unique_keys)["weight_map"]
                     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                         raise KeyError("weight_map is not a name -> file map")
-                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                except (ValueError, KeyError, TypeError) as e:  # JSON errors, _DuplicateKey
                     raise HFError(f"{idx}: not a valid safetensors index ({e})") from None
             files = sorted(set(wm.values()))
             for fn in files:
@@ -185,6 +185,22 @@ class HFReader:
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    """``object_pairs_hook``: a JSON object naming a key twice is refused (``json`` keeps the last one). The
+    safetensors format: "Duplicate keys are disallowed. Not all parsers may respect this." (README of
+    huggingface/safetensors, Format; the installed package is a compiled extension)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"names {k!r} twice")
+        out[k] = v
+    return out
+
+
 def _read_header(fp: str, check: bool = False) -> tuple[int, dict]:
     """(start of the data section, header dict) of a safetensors file. ``check``: validate it as safetensors'
     own reader does (header length within the file and 100 MB, every tensor's dtype, shape and
@@ -198,7 +214,10 @@ def _read_header(fp: str, check: bool = False) -> tuple[int, dict]:
             raise HFError(f"{fp}: cannot open safetensors file (header length {n} does not fit the {size}-byte "
                           f"file); is it truncated?")
         try:
-            hdr = json.loads(f.read(n))
+            hdr = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise HFError(f"{fp}: safetensors header {e} (the format forbids duplicate names; which entry is meant "
+                          f"is ambiguous)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HFError(f"{fp}: corrupt safetensors header ({e})") from None
     if not isinstance(hdr, dict):

@@ -140,7 +140,7 @@ def chunk_pieces(layout, chunk):
 def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
                      max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
                      direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
-                     label: str = "hf2mcore") -> dict:
+                     label: str = "hf2mcore", check=None) -> dict:
     """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
 
     ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
@@ -148,7 +148,8 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
     chunk's byte range in its rank file) is fixed up front; chunks are laid out and written in source order
     by the streaming engine. Files go to ``out_dir.partial-*`` and are renamed into place only after
     ``.metadata`` is complete. ``dtype``: one torch dtype for every key, or a function key -> dtype (each
-    key saved in its own dtype). Returns a summary dict."""
+    key saved in its own dtype). ``check``: the source's SourceCheck (:func:`~ckpt_tools.engine.run_copy`).
+    Returns a summary dict."""
     from .engine import EngineError, Op, Rec, map_sub, run_copy
 
     check_out(out_dir, "mcore", overwrite, inputs, DistCkptError)  # before any work
@@ -216,7 +217,7 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
         try:
             hashes = []
             stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
-                             io_threads=io_threads, hashes=hashes)
+                             io_threads=io_threads, hashes=hashes, check=check)
         except EngineError as e:
             raise DistCkptError(str(e)) from None
         bar.close()
@@ -311,34 +312,44 @@ class TorchDistReader:
             raise DistCkptError(f"{path}: missing data file {missing_files[0]}"
                                 + (f" (and {len(missing_files) - 1} more)" if len(missing_files) > 1 else ""))
 
-    def structure(self, limit: int = 20) -> list[str]:
+    def structure(self, limit: int = 20) -> list[tuple[str, bool]]:
         """What megatron's loader needs besides the data, without reading the data: ``common.pt`` present and
         loadable with ``weights_only=True``; every file at least as long as its records need; every tensor
-        chunk's zip header bytes those of its layout class (torch's zip reader parses one exemplar per class);
+        chunk record's zip structure whole (:meth:`record_problem`: the header bytes those of its layout class,
+        whose exemplar torch's zip reader parses, and the central directory and end records after the data);
         every ``_extra_state`` object record a readable torch.save zip (loaded with ``weights_only=True``;
-        identical payloads are loaded once). Returns problems (at most ``limit``, then a count)."""
+        identical payloads are loaded once). Returns (problem, affects the model weights) pairs, at most
+        ``limit``: ``common.pt`` and ``_extra_state`` records are not weights (a conversion, which writes its
+        own, warns about them; megatron's load fails on them all the same)."""
         out = []
         cp = os.path.join(self.path, "common.pt")
         if not os.path.isfile(cp):
-            out.append("missing common.pt (megatron's load_common fails without it)")
+            out.append(("missing common.pt (megatron's load_common fails without it)", False))
         else:
             try:
                 torch.load(cp, weights_only=True, map_location="cpu")
             except Exception as e:  # noqa: BLE001 - a damaged file raises anything
-                out.append(f"common.pt: not loadable with weights_only=True ({type(e).__name__}: {str(e)[:120]})")
-        need = defaultdict(int)
+                out.append((f"common.pt: not loadable with weights_only=True ({type(e).__name__}: {str(e)[:120]})",
+                            False))
+        need = defaultdict(lambda: [0, 0])  # file -> [end of its tensor records, end of all its records]
         for mi, si in self.storage.items():
-            need[si.relative_path] = max(need[si.relative_path], si.offset + si.length)
-        short = set()
-        for rel, n in sorted(need.items()):
+            n = need[si.relative_path]
+            n[1] = max(n[1], si.offset + si.length)
+            if mi.fqn in self.tensors:
+                n[0] = max(n[0], si.offset + si.length)
+        short, short_objects = set(), set()
+        for rel, (n_data, n_all) in sorted(need.items()):
             fp = os.path.join(self.path, rel)
             size = os.path.getsize(fp) if os.path.isfile(fp) else None
             if size is None:
-                out.append(f"{rel}: missing")
+                out.append((f"{rel}: missing", True))
                 short.add(rel)
-            elif size < n:
-                out.append(f"{rel}: truncated ({size} bytes, its records need {n})")
+            elif size < n_data:
+                out.append((f"{rel}: truncated ({size} bytes, its records need {n_all})", True))
                 short.add(rel)
+            elif size < n_all:
+                out.append((f"{rel}: truncated ({size} bytes, its _extra_state records need {n_all})", False))
+                short_objects.add(rel)
         for key in self.tensors:
             for cbox, si in self.chunks(key):
                 if len(out) > limit:
@@ -347,19 +358,19 @@ class TorchDistReader:
                     continue
                 try:
                     rec = self.record(key, cbox, si)
-                    if rec.slow or not self.head_ok(rec):  # not our layout class: torch.load must read it
-                        if si.length <= self.ANALYSE_MAX:
-                            self.load_chunk(key, cbox, si)
-                        else:
-                            out.append(f"{si.relative_path}: chunk of {key} at byte {si.offset}: zip header differs "
-                                       f"from its layout class's")
+                    why = None if rec.slow else self.record_problem(rec, si)
+                    if why is not None:
+                        out.append((f"{si.relative_path}: chunk of {key} at byte {si.offset}: torch.save zip record: "
+                                    f"{why}", True))
+                    elif rec.slow and si.length <= self.ANALYSE_MAX:  # not our layout class: torch.load reads it
+                        self.load_chunk(key, cbox, si)
                 except DistCkptError as e:
-                    out.append(str(e))
+                    out.append((str(e), True))
         seen: dict = {}
         for mi, si in self.storage.items():
             if len(out) > limit:
                 break
-            if mi.fqn not in self.objects or si.relative_path in short:
+            if mi.fqn not in self.objects or si.relative_path in short | short_objects:
                 continue
             with open(os.path.join(self.path, si.relative_path), "rb") as f:
                 f.seek(si.offset)
@@ -368,10 +379,35 @@ class TorchDistReader:
             if verdict is None:
                 verdict = seen[raw] = _object_ok(raw)
             if verdict is not True:
-                out.append(f"{si.relative_path}: _extra_state object {mi.fqn} at byte {si.offset}: {verdict}")
+                out.append((f"{si.relative_path}: _extra_state object {mi.fqn} at byte {si.offset}: {verdict}", False))
         if len(out) > limit:
-            out = out[:limit] + [f"... and more (first {limit} shown)"]
+            out = out[:limit] + [(f"... and more (first {limit} shown)", any(w for _, w in out[limit:]))]
         return out
+
+    def record_problem(self, rec, si) -> str | None:
+        """None when the zip record of a fast-path chunk is whole: the bytes before the data are its layout
+        class's (:meth:`head_ok`) and every structural byte after it - the later entries' local headers, the
+        central directory, the zip64 and end-of-central-directory records - parses as torch's reader needs
+        (:func:`zip_problem`). Reads only the bytes around the data."""
+        if not self.head_ok(rec):
+            return "zip header differs from its layout class's"
+        data_off = rec.offset - si.offset
+        end = data_off + rec.nbytes
+        fp = os.path.join(self.path, si.relative_path)
+        with open(fp, "rb") as f:
+            head = os.pread(f.fileno(), data_off, si.offset)
+            tail = os.pread(f.fileno(), si.length - end, si.offset + end)
+        if len(head) != data_off or len(tail) != si.length - end:
+            return "truncated"
+
+        def read(off, n):
+            if off >= 0 and off + n <= data_off:
+                return head[off:off + n]
+            if off >= end and off + n <= si.length:
+                return tail[off - end:off - end + n]
+            raise _ZipDamage(f"a zip structure at record byte {off} overlaps the tensor data or the record's end")
+
+        return zip_problem(read, si.length, data_off, rec.nbytes)
 
     def _detect_prefix(self) -> str:
         cands = sorted((k[: -len("embedding.word_embeddings.weight")] for k in self.tensors
@@ -620,6 +656,81 @@ def _object_ok(raw: bytes):
         return True
     except Exception as e:  # noqa: BLE001
         return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
+
+
+class _ZipDamage(Exception):
+    pass
+
+
+_LOCAL, _CENTRAL, _EOCD, _EOCD64, _LOC64 = 0x04034B50, 0x02014B50, 0x06054B50, 0x06064B50, 0x07064B50
+
+
+def zip_problem(read, length: int, data_off: int, nbytes: int) -> str | None:
+    """None when the zip structure of a ``torch.save`` record of ``length`` bytes is what torch's reader
+    needs, with its one tensor storage (``*/data/N``) stored at ``data_off`` for ``nbytes`` bytes; else a
+    short reason. ``read(offset, n)`` returns record bytes (and raises for bytes in the data).
+
+    torch's PyTorchStreamReader (miniz; torch/include/caffe2/serialize/inline_container.h: every entry stored
+    uncompressed, "we universally write in ZIP64 format", no archive comment) finds the end-of-central-directory
+    record at the end of the record, the zip64 end record through its locator, reads the central directory at
+    the offset those give and, for each entry, takes name, sizes and the local header offset from its central
+    entry and the data offset from the local header it points to (signature, name and extra lengths); the CRC
+    fields are not checked on load (torch/serialization.py, set_crc32_options). Each of those is checked here."""
+    import struct
+
+    try:
+        sig, _, _, _, n, cd_size, cd_off, comment = struct.unpack("<IHHHHIIH", read(length - 22, 22))
+        if sig != _EOCD or comment:
+            return "end-of-central-directory record damaged"
+        end = length - 22
+        lsig, _, z64, _ = struct.unpack("<IIQI", read(length - 42, 20)) if length >= 42 else (0, 0, 0, 0)
+        if lsig == _LOC64:
+            zsig, _, _, _, _, _, _, n, cd_size, cd_off = struct.unpack("<IQHHIIQQQQ", read(z64, 56))
+            if zsig != _EOCD64 or z64 + 56 > length - 42:
+                return "zip64 end-of-central-directory record damaged"
+            end = z64
+        elif 0xFFFF in (n,) or 0xFFFFFFFF in (cd_size, cd_off):
+            return "zip64 end-of-central-directory locator damaged"
+        if cd_off + cd_size > end:
+            return f"central directory ({cd_size} bytes at {cd_off}) runs past its end record at {end}"
+        cd = read(cd_off, cd_size)
+        pos, spans, data = 0, [], []
+        for _ in range(n):
+            (sig, _, _, _, method, _, _, _, csize, usize, nl, xl, cl, _, _, _, loff) = \
+                struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
+            name = cd[pos + 46:pos + 46 + nl]
+            extra = cd[pos + 46 + nl:pos + 46 + nl + xl]
+            pos += 46 + nl + xl + cl
+            if sig != _CENTRAL or pos > cd_size:
+                return "central directory damaged"
+            wide = [v == 0xFFFFFFFF for v in (usize, csize, loff)]
+            if any(wide):  # zip64 extended information extra field (id 1): the 64-bit values, in this order
+                x = 0
+                while x + 4 <= len(extra) and struct.unpack_from("<H", extra, x)[0] != 1:
+                    x += 4 + struct.unpack_from("<H", extra, x + 2)[0]
+                vals = iter(struct.unpack_from(f"<{sum(wide)}Q", extra, x + 4))
+                usize, csize, loff = (next(vals) if w else v for w, v in zip(wide, (usize, csize, loff)))
+            if method != 0 or csize != usize:
+                return f"central directory entry {name!r} is not stored uncompressed"
+            lsig, _, _, lmethod, _, _, _, _, _, lnl, lxl = struct.unpack("<IHHHHHIIIHH", read(loff, 30))
+            if lsig != _LOCAL or lmethod != method or read(loff + 30, lnl) != name:
+                return f"central directory entry {name!r} does not point at its local header (byte {loff})"
+            start = loff + 30 + lnl + lxl
+            if start + csize > cd_off:
+                return f"entry {name!r} runs into the central directory"
+            spans.append((loff, start + csize))
+            if name.partition(b"/")[2].startswith(b"data/"):
+                data.append((start, csize))
+        if pos != cd_size:
+            return f"central directory holds {pos} bytes of entries, its end record says {cd_size}"
+        spans.sort()
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return "zip entries overlap"
+        if data != [(data_off, nbytes)]:
+            return f"tensor storage entry at {data} in the central directory, expected [({data_off}, {nbytes})]"
+    except (_ZipDamage, struct.error) as e:
+        return f"zip structure damaged ({e})"
+    return None
 
 
 def _mask_crc(head: bytes) -> bytes:

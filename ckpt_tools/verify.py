@@ -11,7 +11,8 @@ import json
 import torch
 
 from .engine import row_blocks
-from .integrity import MANIFEST, ManifestError, check_manifest, check_sizes, load_manifest
+from .integrity import (MANIFEST, IntegrityError, ManifestError, SourceCheck, check_manifest, check_sizes,
+                        load_manifest)
 from .layout import box_shape, box_shift, box_slices
 from .views import VllmView
 
@@ -90,9 +91,13 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
     from tqdm import tqdm
 
     rows, problems = [], []
-    for v in (a, b):
-        for p in v.integrity():
-            problems.append(f"{v.kind} {v.path}: {p}")
+    for v in (a, b):  # single-side verify's structure checks (not the checksums of the data: compared here)
+        probs, _ = structure_checks(v)
+        man, bad = _manifest(v.path)
+        probs += bad
+        if man is not None:
+            probs += [p for _, p in SourceCheck(v.path, man).precheck()]
+        problems += [f"{v.kind} {v.path}: {p}" for p in probs]
     if a.cfg.raw and b.cfg.raw and set(a.shapes) != set(b.shapes):
         problems.append("the two sides describe different models (tensor sets differ)")
     vl = a if isinstance(a, VllmView) else b if isinstance(b, VllmView) else None
@@ -170,15 +175,15 @@ def _finish(row, cmps, allow_cast, zeros_ok=True):
         row["mismatched"] = sum(c.mismatched for c in cmps)
 
 
-def check_one(view, progress: bool = True) -> dict:
-    """Single-side verify: the checkpoint alone. Structure (Megatron: ``common.pt``, file sizes, every chunk's
-    zip header, every ``_extra_state`` record; HF / vLLM: every safetensors header against its file, checked
-    at open), coverage and ``_extra_state`` presence (:meth:`integrity`), megatron's loaders where the view
-    has them, and every byte against the integrity manifest when there is one."""
-    problems, notes = [], []
-    problems += [f"{p}" for p in view.integrity()]
+def structure_checks(view) -> tuple[list[tuple[str, bool]], dict | None]:
+    """The checks of single-side verify that do not read the tensor data, run by every command that reads a
+    checkpoint: structure (Megatron: ``common.pt``, file sizes, every chunk record's zip structure, every
+    ``_extra_state`` record; HF / vLLM: every safetensors header against its file, checked at open), coverage
+    and names (:meth:`integrity`) and megatron's loaders where the view has them. Returns ((problem, affects the
+    model weights) pairs, the per-loader report or None)."""
+    out = [(p, True) for p in view.integrity()]
     if view.kind == "mcore":
-        problems += view.ckpt.structure()
+        out += view.ckpt.structure()
     loaders = None
     fn = getattr(view, "loaders", None)
     if callable(fn):
@@ -186,8 +191,16 @@ def check_one(view, progress: bool = True) -> dict:
 
         loaders = fn()  # per loader, not one verdict: a te checkpoint does not load as local, and need not
         if not any(r.get("ok") for r in loaders.values()):
-            problems.append("no known megatron loader (te, local, mindspeed) finds every key it asks for: "
-                            + format_loaders(loaders))
+            out.append(("no known megatron loader (te, local, mindspeed) finds every key it asks for: "
+                        + format_loaders(loaders), False))
+    return out, loaders
+
+
+def check_one(view, progress: bool = True) -> dict:
+    """Single-side verify: the checkpoint alone. :func:`structure_checks` and every byte against the
+    integrity manifest when there is one."""
+    probs, loaders = structure_checks(view)
+    problems, notes = [p for p, _ in probs], []
     man, bad = _manifest(view.path)
     problems += bad
     checked = 0
@@ -217,11 +230,9 @@ def _manifest(root: str):
 
 
 def inspect_checks(view) -> dict:
-    """What ``inspect`` reports without reading the data: structure and coverage, the manifest's presence and
-    every listed file's size."""
-    problems = list(view.integrity())
-    if view.kind == "mcore":
-        problems += view.ckpt.structure()
+    """What ``inspect`` reports without reading the data: :func:`structure_checks`, the manifest's presence
+    and every listed file's size."""
+    problems = [p for p, _ in structure_checks(view)[0]]
     man, bad = _manifest(view.path)
     problems += bad
     if bad:
@@ -273,3 +284,35 @@ def print_report(rep: dict, out, limit: int = 40):
 def write_json(rep: dict, path: str):
     with open(path, "w") as f:
         json.dump(rep, f, indent=1)
+
+
+def checked_source(path: str, open_view, cmd: str):
+    """Open a conversion's source with single-side verify's structure checks and, when it has a manifest, a
+    :class:`SourceCheck` for the engine (its sizes and non-data ranges checked now, the data as it is read).
+    A checksum mismatch raises :class:`IntegrityError` (exit 1), a structure problem that affects the model
+    weights FormatError (exit 2); the others (``common.pt``, ``_extra_state`` records, megatron's loaders: a
+    conversion writes its own) are one warning line each on stderr. Returns (view, SourceCheck or None)."""
+    import sys
+
+    from .views import FormatError
+
+    def fail(exc, what, probs):
+        raise exc(f"{path}: {what}{probs[0]}" + (f" (+{len(probs) - 1} more)" if len(probs) > 1 else ""))
+
+    man = load_manifest(path)
+    check, warn = None, []
+    if man is not None:
+        check = SourceCheck(path, man)
+        probs = check.precheck()
+        bad = [p for rel, p in probs if rel != "common.pt"]  # the one file no conversion reads
+        if bad:
+            fail(IntegrityError, "source does not match its manifest: ", bad)
+        warn += [p for _, p in probs]
+    view = open_view()
+    probs, _ = structure_checks(view)
+    bad = [p for p, weights in probs if weights]
+    if bad:
+        fail(FormatError, "", bad)
+    for p in warn + [p for p, _ in probs]:
+        print(f"ckpt-tools {cmd}: warning: {path}: {p} (not used by this conversion)", file=sys.stderr)
+    return view, check

@@ -29,16 +29,34 @@ def _full(shape, box):
     return box if box is not None else full_box(shape)
 
 
+# candidates for a merged dtype, narrowest first: the first one that holds every part exactly is taken
+_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _holds(a: torch.dtype, b: torch.dtype) -> bool:
+    """Every value of ``b`` is a value of ``a`` (same kind: float or integer)."""
+    if a.is_floating_point:
+        fa, fb = torch.finfo(a), torch.finfo(b)
+        return fa.eps <= fb.eps and fa.max >= fb.max and fa.smallest_normal <= fb.smallest_normal
+    if a == torch.bool or b == torch.bool:
+        return b == torch.bool
+    ia, ib = torch.iinfo(a), torch.iinfo(b)
+    return ia.min <= ib.min and ia.max >= ib.max
+
+
 def widest(dtypes) -> torch.dtype | None:
-    """The dtype that holds every one of ``dtypes`` exactly: the one dtype when they agree, else the widest
-    (bf16 with fp16: fp32). None for none."""
+    """The narrowest dtype that holds every one of ``dtypes`` exactly (the one dtype when they agree; bf16 with
+    fp16: fp32), whatever their order. Floats with integers (or unknown dtypes) have no such dtype: refused
+    (a cast would round one side, e.g. norms to integers). None for none."""
     ds = set(dtypes)
     if len(ds) <= 1:
         return ds.pop() if ds else None
-    top = max(ds, key=lambda d: d.itemsize)
-    if any(d.itemsize == top.itemsize and d != top for d in ds) and top.is_floating_point:
-        return torch.float64 if top.itemsize >= 4 else torch.float32
-    return top
+    for kind in (_FLOATS, _INTS):
+        if ds <= set(kind):
+            return next(c for c in kind if all(_holds(c, d) for d in ds))
+    raise FormatError(f"tensors of dtypes {', '.join(sorted(str(d).replace('torch.', '') for d in ds))} fused "
+                      f"into one: no dtype holds them all exactly (a mix of floats and integers?)")
 
 
 class HFView:
@@ -301,6 +319,27 @@ class VllmView:
                     out.append(f"{self.files[r]}: {name} has shape {list(shp)}, vLLM expects {list(shape)}")
         return out
 
+    def _stray_files(self) -> list[str]:
+        """vLLM's ShardedStateLoader.load_weights reads every file matching its pattern with ``part="*"``
+        (vllm/model_executor/model_loader/sharded_state_loader.py: ``glob.glob(os.path.join(path,
+        _render_default_pattern(pattern, part="*")))``) in the directory it is pointed at: any such file of a
+        TP rank besides the one this layout writes would be loaded too (tensors twice, or unknown names)."""
+        import glob
+
+        from converters.vllm_names import file_name
+
+        out = []
+        for d in sorted({os.path.dirname(f) for f in self.files.values()}):
+            want = {f for f in self.files.values() if os.path.dirname(f) == d}
+            for tp_rank in range(self.par.tp):
+                pattern = file_name(self.name_table, tp_rank, "*")
+                for fp in sorted(glob.glob(os.path.join(glob.escape(os.path.join(self.path, d)), pattern))):
+                    rel = os.path.relpath(fp, self.path)
+                    if rel not in want:
+                        out.append(f"{rel}: not part of this checkpoint, but vLLM's loader reads every {pattern} "
+                                   f"file of TP rank {tp_rank} (remove it)")
+        return out
+
     def names(self):
         return list(self.shapes)
 
@@ -327,7 +366,7 @@ class VllmView:
         return out
 
     def integrity(self) -> list[str]:
-        out = self._check_names()
+        out = self._check_names() + self._stray_files()
         for r in range(self.par.world):
             for name, shape, dtype, value in self.layout.buffers:
                 t = self.readers[r].read(name)

@@ -63,6 +63,7 @@ def add_training_entries(d):
     for mi, off, n in entries:
         md.storage_data[mi] = _StorageInfo("__0_1.distcp", off, n)
     pickle.dump(md, open(os.path.join(d, ".metadata"), "wb"))
+    os.remove(os.path.join(d, "ckpt_tools.manifest.json"))  # megatron / verl write none (and .metadata was edited)
 
 
 def _objects(d):

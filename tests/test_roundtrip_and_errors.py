@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
+from ckpt_tools.integrity import IntegrityError
 from ckpt_tools.layout import LayoutError, MegatronParallel
 from ckpt_tools.views import ERRORS, HFView, McoreView, VllmView
 from ckpt_tools.verify import verify
@@ -69,6 +70,7 @@ def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
     md.state_dict_metadata["optimizer.state.exp_avg.decoder.final_layernorm.weight"] = TensorStorageMetadata(
         TensorProperties(dtype=torch.float32), torch.Size([64]), [])
     pickle.dump(md, open(os.path.join(out, ".metadata"), "wb"))
+    os.remove(os.path.join(out, "ckpt_tools.manifest.json"))  # verl writes none (and .metadata was edited)
     v = McoreView(out, cfg)
     assert v.ckpt.prefix == "model."
     back = str(tmp_path / "back")
@@ -126,8 +128,8 @@ def test_reshard_from_hf_and_mcore_agree(tiny_hf, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-def _err(fn, *a, match, **kw):
-    with pytest.raises(ERRORS) as ei:
+def _err(fn, *a, match, exc=ERRORS, **kw):
+    with pytest.raises(exc) as ei:
         fn(*a, **kw)
     assert match in str(ei.value), str(ei.value)
     return str(ei.value)
@@ -232,12 +234,14 @@ def test_mcore_bad_inputs(tiny_hf, tiny_hf_bf16, tmp_path):
     with open(os.path.join(c1, ".metadata"), "r+b") as f:
         f.seek(100)
         f.write(b"\x00garbage\xff" * 20)
-    _err(convert.mcore2hf, c1, str(tmp_path / "o1"), tiny_hf, progress=False, match=".metadata")
     # missing .distcp file
     c2 = str(tmp_path / "c2")
     shutil.copytree(mc, c2)
     os.remove(os.path.join(c2, "__1_0.distcp"))
-    _err(convert.mcore2hf, c2, str(tmp_path / "o2"), tiny_hf, progress=False, match="__1_0.distcp")
+    for c, name in ((c1, ".metadata"), (c2, "__1_0.distcp")):  # against our manifest (exit 1), then without one
+        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, progress=False, match=name, exc=IntegrityError)
+        os.remove(os.path.join(c, "ckpt_tools.manifest.json"))
+        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, progress=False, match=name)
     # a checkpoint of another model / mismatched hf-config
     other = str(tmp_path / "other_cfg")
     os.makedirs(other)

@@ -166,7 +166,7 @@ def _transfer(manager, state: _State, model, mode: str, verl_transfer):
     if before is not None:
         after = _digests(model)
         diff = sorted(n for n in before if int(before[n]) != int(after[n]))
-        problem = (f"rank {cnt.get('rank', '')}{torch.distributed.get_rank()}: {len(diff)} of {len(before)} vLLM "
+        problem = (f"rank {torch.distributed.get_rank()}: {len(diff)} of {len(before)} vLLM "
                    f"parameters differ from verl's transfer (first: {', '.join(diff[:3])})") if diff else ""
         alls = _exchange_summaries({"problem": problem[:600]}, _comm(None, state.control), timeout)
         bad = [s["problem"] for s in alls if s.get("problem")]
