@@ -424,6 +424,7 @@ def run_real(rank, world, a):
     sched = SyncSchedule(cfg, mpar, vpar, "local", dtype=torch.bfloat16, bucket_bytes=a.get("bucket_bytes", 1 << 16))
     res["check"] = sched.check()
     res["plan"] = sched.stats()
+    res["pieces_to_me"] = sum(p.dst == rank for p in sched.pieces)
     before = {n: p.detach().clone() for n, p in vm.named_parameters()}
     res["ours"] = sync_weights(sched, model, vm, fill_value=float("nan"))
     got = {n: p.detach().clone() for n, p in vm.named_parameters()}
@@ -437,6 +438,22 @@ def run_real(rank, world, a):
     ref = {n: p.detach().clone() for n, p in vm.named_parameters()}
     res["params"] = len(ref)
     res["diff"] = [n for n in ref if not torch.equal(ref[n], got[n])]
+    if a.get("expert_map_fault"):  # one MoE layer's experts placed in reverse order: refused before any byte
+        from ckpt_tools.sync import SyncError
+        from ckpt_tools.vllm_live import expert_modules
+
+        name, mod = expert_modules(vm)[-1]
+        emap = mod.expert_map  # vLLM's own buffer (RoutedExperts._expert_map)
+        saved, held = emap.clone(), (emap >= 0).nonzero().flatten()
+        emap[held] = emap[held].flip(0)
+        try:
+            sync_weights(sched, model, vm)
+            res["map_error"] = None
+        except SyncError as e:
+            res["map_error"] = str(e)
+        res["map_layer"] = name
+        res["map_unchanged"] = all(torch.equal(p.detach(), ref[n]) for n, p in vm.named_parameters())
+        emap.copy_(saved)
     if a.get("baseline"):
         for p in vm.parameters():
             p.data.zero_()

