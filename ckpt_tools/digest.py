@@ -27,18 +27,22 @@ def _signed(x: int) -> int:
 
 
 _K1, _K2, _K3 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-_CACHE: dict[str, tuple] = {}
+_CACHE: dict[str, list] = {}
 
 
-def _scratch(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(word weights [BLOCK], scratch [SLAB, BLOCK]) for ``device``, made once."""
+def _tables(device, nblocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(word weights [BLOCK], block weights [>= nblocks], scratch [SLAB, BLOCK]) for ``device``: made once, the
+    block weights grown by doubling (a block's weight depends only on its index)."""
     key = str(device)
     got = _CACHE.get(key)
     if got is None:
         g = torch.Generator().manual_seed(0x5EED)
         w = (torch.randint(-(1 << 62), 1 << 62, (BLOCK,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
-        got = _CACHE[key] = (w, torch.empty((SLAB, BLOCK), dtype=torch.int64, device=device))
-    return got
+        got = _CACHE[key] = [w, _block_weights(1024, device), torch.empty((SLAB, BLOCK), dtype=torch.int64,
+                                                                         device=device)]
+    if got[1].numel() < nblocks:
+        got[1] = _block_weights(max(nblocks, 2 * got[1].numel()), device)
+    return got[0], got[1], got[2]
 
 
 def _block_weights(n: int, device) -> torch.Tensor:
@@ -58,20 +62,19 @@ def digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         b = b.clone()
     n = b.numel()
     nfull = n // (8 * BLOCK)
+    rest = n - nfull * 8 * BLOCK
+    w, bw, scratch = _tables(b.device, nfull + 1)
     total = torch.full((), n, dtype=torch.int64, device=b.device)
-    w, scratch = _scratch(b.device)
     if nfull:
         words = b[:nfull * 8 * BLOCK].view(torch.int64).view(nfull, BLOCK)
-        bw = _block_weights(nfull, b.device)
         for s in range(0, nfull, SLAB):
             m = min(SLAB, nfull - s)
             prod = torch.mul(words[s:s + m], w, out=scratch[:m])
-            total = total + (prod.sum(1) * bw[s:s + m]).sum()
-    rest = n - nfull * 8 * BLOCK
-    if rest:
-        tail = torch.zeros(8 * BLOCK, dtype=torch.uint8, device=b.device)
-        tail[:rest] = b[nfull * 8 * BLOCK:]
+            total += (prod.sum(1) * bw[s:s + m]).sum()
+    if rest:  # the last, partial block: zero-padded to whole words
         k = (rest + 7) // 8
-        bw = _block_weights(nfull + 1, b.device)[nfull]
-        total = total + (tail.view(torch.int64)[:k] * w[:k]).sum() * bw
+        tail = scratch[0, :k]
+        tail[-1] = 0
+        tail.view(torch.uint8)[:rest] = b[nfull * 8 * BLOCK:]
+        total += (tail * w[:k]).sum() * bw[nfull]
     return total

@@ -192,33 +192,68 @@ class SyncSchedule:
         self.pieces_by_bucket: list[list[Piece]] = [[] for _ in self.buckets]
         for p in self.pieces:
             self.pieces_by_bucket[self.bucket_of[p.hf]].append(p)
+        # within a bucket, pieces by receiver, then by where they land in its vLLM parameters: each message's
+        # bytes follow the receiver's memory, so the verification reads long runs of it (see _views)
+        for ps in self.pieces_by_bucket:
+            ps.sort(key=self._landing)
+
+    def _landing(self, p: Piece) -> tuple:
+        """(receiver, vLLM parameter index, flat element offset) of piece ``p``'s first target."""
+        if not hasattr(self, "_local_of"):
+            self._local_of = {r: i % self.vpar.world for i, r in enumerate(self.rollout_ranks)}
+            self._param_index = [{n: i for i, n in enumerate(t)} for t in self.vlayout.ranks]
+        local = self._local_of[p.dst]
+        for name, target in self._targets(local, p):
+            shape = self.vlayout.ranks[local][name].shape
+            flat = 0
+            for (a, _), n in zip(target, shape):
+                flat = flat * n + a
+            return p.dst, self._param_index[local][name], flat
+        return p.dst, -1, 0
 
     # ------------------------------------------------------------------------------------- figures
     def shard_bytes(self, local: int) -> int:
         """Bytes vLLM-local rank ``local``'s loader reads (its shard in HF regions)."""
         return sum(box_numel(b) for boxes in self.needs_local[local].values() for b in boxes) * self.elem
 
-    def pair_piece_counts(self) -> dict:
-        """(sender, receiver) -> pieces sent between two different ranks (what the verification exchanges)."""
-        if not hasattr(self, "_pair_counts"):
-            c = defaultdict(int)
-            for p in self.pieces:
-                if p.src != p.dst:
-                    c[(p.src, p.dst)] += 1
-            self._pair_counts = dict(c)
-        return self._pair_counts
+    def _messages(self) -> dict:
+        """(bucket, sender, receiver) -> its pieces in the order they are sent (self copies included)."""
+        if not hasattr(self, "_msgs"):
+            m = {}
+            for b, ps in enumerate(self.pieces_by_bucket):
+                for p in ps:
+                    m.setdefault((b, p.src, p.dst), []).append(p)
+            self._msgs = m
+        return self._msgs
 
-    def vllm_regions(self, local: int) -> dict:
-        """HF tensor -> [(vLLM parameter, segment)] of vLLM-local rank ``local``: where its loader puts each
-        HF region (the layout's segments: pure translations, leading expert axes as points)."""
-        cache = self.__dict__.setdefault("_regions", {})
-        if local not in cache:
+    def message_pieces(self, b: int, src: int, dst: int) -> list:
+        return self._messages().get((b, src, dst), [])
+
+    def messages_to(self, dst: int) -> list:
+        """[(bucket, sender, pieces)] of receiver ``dst``, by bucket (what the verification digests)."""
+        return [(b, s, ps) for (b, s, d), ps in self._messages().items() if d == dst]
+
+    def pair_message_counts(self) -> dict:
+        """(sender, receiver) -> messages between them (buckets holding pieces of that pair), self copies too."""
+        if not hasattr(self, "_pair_msgs"):
+            c = defaultdict(int)
+            for (b, s, d) in self._messages():
+                c[(s, d)] += 1
+            self._pair_msgs = dict(c)
+        return self._pair_msgs
+
+    def _targets(self, local: int, p: Piece) -> list:
+        """[(vLLM parameter, box)] where vLLM-local rank ``local``'s loader puts piece ``p``: the layout's
+        segments holding its HF region (pure translations, leading expert axes as points)."""
+        index = self.__dict__.setdefault("_seg_index", {})
+        if local not in index:
             idx = defaultdict(list)
             for name, ts in self.vlayout.ranks[local].items():
                 for seg in ts.segments:
                     idx[seg.hf].append((name, seg))
-            cache[local] = dict(idx)
-        return cache[local]
+            index[local] = idx
+        return [(name, seg.hf_to_target(p.hf_box)) for name, seg in index[local][p.hf]
+                if box_intersect(seg.hf_box, p.hf_box) == p.hf_box]
 
     def model_bytes(self) -> int:
         return sum(box_numel(full_box(s)) for s in self.hf_shapes.values()) * self.elem
@@ -546,10 +581,12 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     per sender with ``torch.distributed.batch_isend_irecv``, waits at most ``timeout_s`` for them, builds
     full-shape HF tensors of this bucket (only the regions its vLLM loader reads are written; the rest is
     ``torch.empty``, or ``fill_value`` for tests) and hands them to ``vllm_model.load_weights``; (3) with
-    ``verify``: every sender digests each piece it sent (ckpt_tools.digest, on its device), the digests go to
-    the receivers over the control group, and every rollout rank digests the region of each vLLM parameter that
-    piece was meant to fill: any difference is a SyncError naming rank, parameter, HF tensor and region, on
-    every rank. A failure raises SyncError saying how many of this rank's tensors vLLM already took ("vLLM
+    ``verify``: every sender digests each message it sent (ckpt_tools.digest, on its device: the bytes on the
+    wire; a colocated rank's copies to itself likewise, per bucket), the 8-byte digests go to the receivers over
+    the control group, and every rollout rank digests the regions of the vLLM parameters those pieces were meant
+    to fill, in the message's order, after the last bucket (so a later write over an earlier region is caught).
+    On a difference, the pieces of that message are digested one by one on both sides to name the first wrong
+    one: a SyncError naming rank, vLLM parameter, region, HF tensor and region, on every rank. A failure raises SyncError saying how many of this rank's tensors vLLM already took ("vLLM
     weights partially updated: N of M tensors").
 
     Returns this rank's counters: ``recv_bytes`` (its shard, self copies included), ``recv_net_bytes``,
@@ -569,8 +606,8 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     cnt = dict(recv_bytes=0, recv_net_bytes=0, sent_bytes=0, local_bytes=0, messages_sent=0, messages_received=0,
                buckets=0, tensors_delivered=0, tensors_total=mine_total, verified_pieces=0, verify_seconds=0.0)
     nb = len(schedule.buckets)
-    sent_digests = defaultdict(list)   # receiver -> digests of the pieces sent to it, in schedule order
-    self_digests = []                  # digests of this rank's copies to itself, in schedule order
+    sent_digests = defaultdict(list)   # receiver -> digest of each message sent to it (self copies too), by bucket
+    scratch = schedule.__dict__.setdefault("_scratch", {})  # reused flat buffers (see _flat)
 
     def src_view(p):
         t = chunks[(p.key, p.chunk_box)]
@@ -618,19 +655,14 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
                 full[p.hf] = (torch.full(shape, fill_value, dtype=dtype, device=rdev) if fill_value is not None
                               else torch.empty(shape, dtype=dtype, device=rdev))
         for p in selfs:
-            src = src_view(p)
-            full[p.hf][box_slices(p.hf_box)].copy_(src.reshape(box_shape(p.hf_box)))
+            full[p.hf][box_slices(p.hf_box)].copy_(src_view(p).reshape(box_shape(p.hf_box)))
             cnt["local_bytes"] += box_numel(p.hf_box) * schedule.elem
-            if verify:
-                self_digests.append(digest(src, dtype))
         if verify:
             tv = time.perf_counter()
-            for dst, ps in sends.items():
-                off, buf = 0, sbufs[dst]
-                for p in ps:
-                    n = box_numel(p.hf_box)
-                    sent_digests[dst].append(digest(buf[off:off + n]))
-                    off += n
+            for dst, buf in sbufs.items():
+                sent_digests[dst].append(digest(buf))
+            if selfs:
+                sent_digests[rank].append(digest(_flat([src_view(p) for p in selfs], dtype, scratch)))
             cnt["verify_seconds"] += time.perf_counter() - tv
         deadline = time.monotonic() + timeout_s
         for w in works:
@@ -660,76 +692,210 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
         del full
     if verify:
         tv = time.perf_counter()
-        cnt["verified_pieces"] = _verify(schedule, comm, live, sent_digests, self_digests, timeout_s)
+        cnt["verified_pieces"] = _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch)
         cnt["verify_seconds"] += time.perf_counter() - tv
     cnt["seconds"] = time.perf_counter() - t0
     return cnt
 
 
-def _verify(schedule, comm, live, sent_digests, self_digests, timeout_s) -> int:
-    """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent: the
-    senders' digests come over the control group (one all-to-all of 8 bytes per piece), this rank digests the
-    parameter regions (after all buckets: a later write over an earlier region is caught), and all ranks share the
-    first problem (one all-gather), so every rank raises the same one-line SyncError."""
+def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str):
+    """Monitored all-to-all of int64 digests on the control group: ``parts[d]`` (list of 0-d tensors, any
+    device) to rank d. Posted now; the returned function waits for it and returns what every rank sent here,
+    concatenated in rank order (so the caller can work meanwhile)."""
     import torch.distributed as dist
 
-    rank, world = comm.rank, comm.world
-    counts = schedule.pair_piece_counts()
-    send_split = [counts.get((rank, d), 0) for d in range(world)]
-    recv_split = [counts.get((s, rank), 0) for s in range(world)]
-    flat = [t for d in range(world) for t in sent_digests.get(d, ())]
+    flat = [t for ps in parts for t in ps]
     out = torch.stack(flat).cpu() if flat else torch.zeros(0, dtype=torch.int64)
     got = torch.zeros(sum(recv_split), dtype=torch.int64)
-    problem, proven = "", 0
-    if out.numel() != sum(send_split):
-        problem = f"rank {rank} digested {out.numel()} sent pieces, the schedule plans {sum(send_split)}"
-        out = torch.zeros(sum(send_split), dtype=torch.int64)
+    deadline = time.monotonic() + timeout_s
+
+    def fail(e):
+        return SyncError(f"weight sync verification failed on rank {comm.rank}: exchanging {what} did not complete "
+                         f"within {timeout_s:g} s ({_one_line(e)}); vLLM weights updated but not proven")
+
     try:
-        work = dist.all_to_all_single(got, out, recv_split, send_split, group=comm.control, async_op=True)
-        _wait(work, time.monotonic() + timeout_s, timeout_s)
+        work = dist.all_to_all_single(got, out, recv_split, [len(ps) for ps in parts], group=comm.control,
+                                      async_op=True)
     except Exception as e:  # noqa: BLE001
-        raise SyncError(f"weight sync verification failed on rank {rank}: exchanging digests did not complete within "
-                        f"{timeout_s:g} s ({_one_line(e)}); vLLM weights updated but not proven") from None
-    if not problem and rank in schedule.rollout_ranks:
+        raise fail(e) from None
+
+    def result():
+        try:
+            _wait(work, deadline, timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise fail(e) from None
+        return got
+
+    return result
+
+
+def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch) -> int:
+    """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent.
+    Round 1: the senders' message digests come over the control group (one all-to-all, 8 bytes per message) and
+    this rank digests, per message, the parameter regions its pieces were meant to fill, concatenated in the
+    message's order. Round 2, only if some message differs anywhere: its pieces are digested one by one on both
+    sides (the sender from its live chunks) to name the first wrong one. All ranks then share the first problem
+    (one all-gather), so every rank raises the same one-line SyncError. Returns the pieces proven here."""
+    rank, world = comm.rank, comm.world
+    counts = schedule.pair_message_counts()
+    recv_split = [counts.get((s, rank), 0) for s in range(world)]
+    pending = _all_to_all(comm, [sent_digests.get(d, []) for d in range(world)], recv_split, timeout_s,
+                          "message digests")  # in flight while this rank digests its parameters
+    problem, proven, bad = "", 0, []
+    msgs = schedule.messages_to(rank)
+    if msgs:
         local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
-        regions = schedule.vllm_regions(local)
         offs = [sum(recv_split[:s]) for s in range(world)]
-        expected, mine_self = {}, iter(self_digests)
-        for ps in schedule.pieces_by_bucket:
-            for p in ps:
-                if p.dst != rank:
-                    continue
-                if p.src == rank:
-                    expected[p] = next(mine_self)
-                else:
-                    expected[p] = got[offs[p.src]]
-                    offs[p.src] += 1
-        for p, want in expected.items():
-            for vname, seg in regions[p.hf]:
-                if box_intersect(seg.hf_box, p.hf_box) != p.hf_box:
-                    continue
-                target = seg.hf_to_target(p.hf_box)
-                prm = live.get(vname)
-                spec = schedule.vlayout.ranks[local][vname]
-                if tuple(prm.shape) != tuple(spec.shape):
-                    problem = (f"rank {rank}: vLLM parameter {vname} has shape {list(prm.shape)}, not the checkpoint "
-                               f"layout {list(spec.shape)} the loader writes (this vLLM build repacks it after "
-                               f"loading): cannot be proven")
-                    break
-                d = digest(prm.detach()[box_slices(target)], schedule.dtype)
-                if int(d) != int(want):
-                    problem = (f"rank {rank}: vLLM parameter {vname} region {[list(x) for x in target]} does not hold "
-                               f"the bytes rank {p.src} sent for HF tensor {p.hf} region "
-                               f"{[list(x) for x in p.hf_box]}")
-                    break
-                proven += 1
-            if problem:
-                break
-    alls = _exchange_summaries({"fp": schedule.fingerprint(), "desc": "", "problem": problem[:600]}, comm, timeout_s)
-    for r, s in enumerate(alls):
+        try:
+            views = _views(schedule, live, local, rank)
+        except SyncError as e:
+            problem, msgs = str(e), []
+        wants, mine = [], []
+        for p in views.twice if msgs else ():  # a region the loader fills twice on this rank: the copies agree
+            rs = views.pieces[p]
+            for vname, target, t in rs[1:]:
+                if not torch.equal(t, rs[0][2]):
+                    problem = (f"rank {rank}: vLLM parameter {vname} region {_bx(target)} differs from "
+                               f"{rs[0][0]} region {_bx(rs[0][1])}, both loaded from HF tensor {p.hf}")
+        for b, src, ps in msgs:
+            wants.append(offs[src])  # where its sender's digest sits in what the all-to-all brings
+            offs[src] += 1
+            run = views.runs[(b, src)]
+            mine.append(digest(run[0] if len(run) == 1 else _flat(run, schedule.dtype, scratch), schedule.dtype))
+        mine = torch.stack(mine).cpu().tolist() if mine else []  # one device -> host copy
+        got = pending().tolist()
+        for (b, src, ps), d, i in zip(msgs, mine, wants):
+            if d != got[i]:
+                bad.append([b, src])
+            else:
+                proven += len(ps)
+    if not msgs:
+        pending()
+    alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600], "bad": bad[:16]}, comm, timeout_s)
+    wrong = sorted({(b, src, r) for r, s in enumerate(alls) for b, src in s.get("bad", [])})
+    if wrong and not any(s.get("problem") for s in alls):
+        problem = _locate(schedule, comm, live, src_view, wrong, timeout_s)
+        alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600]}, comm, timeout_s)
+    for s in alls:
         if s.get("problem"):
             raise SyncError(f"weight sync verification failed: {s['problem']}; vLLM weights updated but wrong")
+    if wrong:  # (cannot happen: round 2 names a piece of each wrong message)
+        raise SyncError(f"weight sync verification failed: {len(wrong)} message(s) differ (first: bucket "
+                        f"{wrong[0][0] + 1}, rank {wrong[0][1]} -> rank {wrong[0][2]}); vLLM weights updated but wrong")
     return proven
+
+
+def _locate(schedule, comm, live, src_view, wrong, timeout_s) -> str:
+    """Round 2 of :func:`_verify` for the messages ``wrong`` [(bucket, src, dst)]: per-piece digests, the
+    senders' from their live chunks (the bytes they sent), compared on the receivers; the first wrong piece here."""
+    rank, world, dtype = comm.rank, comm.world, schedule.dtype
+    parts = [[] for _ in range(world)]
+    for b, src, dst in wrong:
+        if src == rank:
+            parts[dst] += [digest(src_view(p), dtype) for p in schedule.message_pieces(b, src, dst)]
+    mine = [(b, src) for b, src, dst in wrong if dst == rank]
+    recv_split = [sum(len(schedule.message_pieces(b, s, rank)) for b, s2 in mine if s2 == s) for s in range(world)]
+    got = _all_to_all(comm, parts, recv_split, timeout_s, "piece digests")()
+    if not mine:
+        return ""
+    local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
+    offs = [sum(recv_split[:s]) for s in range(world)]
+    for b, src in sorted(mine, key=lambda m: (m[1], m[0])):  # each sender's pieces in the order it sent them
+        for p in schedule.message_pieces(b, src, rank):
+            want = got[offs[src]]
+            offs[src] += 1
+            vname, target, t = _views(schedule, live, local, rank).pieces[p][0]
+            if int(digest(t, dtype)) != int(want):
+                return (f"rank {rank}: vLLM parameter {vname} region {_bx(target)} does not hold the bytes rank {src} "
+                        f"sent for HF tensor {p.hf} region {_bx(p.hf_box)}")
+    return f"rank {rank}: a message differs but none of its pieces does (bucket {mine[0][0] + 1}, from rank {mine[0][1]})"
+
+
+def _bx(box) -> list:
+    return [list(x) for x in box]
+
+
+def _flat(tensors: list, dtype, scratch: dict) -> torch.Tensor:
+    """The elements of ``tensors`` (row-major, one after another) as one flat ``dtype`` tensor, written into a
+    buffer kept in ``scratch`` per device and reused (a fresh allocation of that size every bucket and step
+    costs more than the copy: page faults on CPU)."""
+    n = sum(t.numel() for t in tensors)
+    dev = tensors[0].device
+    buf = scratch.get(str(dev))
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = scratch[str(dev)] = torch.empty(max(n, buf.numel() if buf is not None else 0), dtype=dtype, device=dev)
+    out = buf[:n]
+    tensors = [t.detach() for t in tensors]  # (live parameters require grad; out= refuses them)
+    if all(t.dtype == dtype for t in tensors):
+        torch.cat([t.reshape(-1) for t in tensors], out=out)
+    else:
+        o = 0
+        for t in tensors:
+            out[o:o + t.numel()].view(t.shape).copy_(t)
+            o += t.numel()
+    return out
+
+
+class _Views(NamedTuple):
+    pieces: dict      # piece -> _regions(piece)
+    runs: dict        # (bucket, sender) -> tensors whose bytes, in order, are the message's (long runs merged)
+    twice: list       # pieces whose HF region the loader places twice on this rank
+
+
+def _views(schedule, live, local, rank) -> _Views:
+    """Where every piece this rank receives lands in the live vLLM parameters, cached on the schedule while the
+    parameters are the same tensors (same storage, shape): the verification's only per-piece Python work, done
+    once, not every step. Within a message, pieces come in the receiver's memory order (SyncSchedule sorts
+    them), so consecutive contiguous regions of one parameter merge into one view."""
+    sig = tuple((n, p.data_ptr(), tuple(p.shape), p.dtype) for n, p in live.params.items())
+    cache = schedule.__dict__.setdefault("_views", {})
+    got = cache.get(local)
+    if got is None or got[0] != sig:
+        pieces, runs, twice = {}, {}, []
+        for b, src, ps in schedule.messages_to(rank):
+            out, cur = [], None  # cur: [name, parameter, start, end] (flat elements) of the open run
+            for p in ps:
+                rs = pieces[p] = _regions(schedule, live, local, p, rank)
+                if len(rs) > 1:
+                    twice.append(p)
+                name, v = rs[0][0], rs[0][2]
+                prm = live.get(name).detach()
+                if v.is_contiguous() and prm.is_contiguous():
+                    start = (v.data_ptr() - prm.data_ptr()) // v.element_size()
+                    if cur is not None and cur[0] == name and cur[3] == start:
+                        cur[3] += v.numel()
+                        continue
+                    if cur is not None:
+                        out.append(cur[1].view(-1)[cur[2]:cur[3]])
+                    cur = [name, prm, start, start + v.numel()]
+                else:
+                    if cur is not None:
+                        out.append(cur[1].view(-1)[cur[2]:cur[3]])
+                        cur = None
+                    out.append(v)
+            if cur is not None:
+                out.append(cur[1].view(-1)[cur[2]:cur[3]])
+            runs[(b, src)] = out
+        got = cache[local] = (sig, _Views(pieces, runs, twice))
+    return got[1]
+
+
+def _regions(schedule, live, local, p, rank) -> list:
+    """[(vLLM parameter, target box, tensor view)] where this rank's vLLM loader puts piece ``p`` (one, unless the
+    layout places that HF region twice on a rank). SyncError when the live parameter is not in the checkpoint
+    layout the loader writes (a build that repacks it after loading: such parameters cannot be proven)."""
+    out = []
+    for vname, target in schedule._targets(local, p):
+        prm = live.get(vname)
+        spec = schedule.vlayout.ranks[local][vname]
+        if tuple(prm.shape) != tuple(spec.shape):
+            raise SyncError(f"rank {rank}: vLLM parameter {vname} has shape {list(prm.shape)}, not the checkpoint "
+                            f"layout {list(spec.shape)} the loader writes (this vLLM build repacks it after "
+                            f"loading): cannot be proven")
+        out.append((vname, target, prm.detach()[box_slices(target)]))
+    if not out:
+        raise SyncError(f"rank {rank}: no vLLM parameter holds HF tensor {p.hf} region {_bx(p.hf_box)}")
+    return out
 
 
 def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
