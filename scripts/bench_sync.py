@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Weight-sync benchmark: ``ckpt_tools.sync.sync_weights`` against the verl-style gather-everything baseline
-(``sync_weights_gather_all``: per tensor, every rank assembles the full tensor, then ``load_weights``).
+"""Weight-sync benchmark: ``ckpt_tools.sync.sync_weights`` without and with verification (``ours``,
+``ours_verified``) against the verl-style gather-everything baseline (``sync_weights_gather_all``: per tensor,
+every rank assembles the full tensor, then ``load_weights``).
 
     python scripts/bench_sync.py --quick --json sync.json   # 8 gloo processes, < 3 min on 2 cores
     python scripts/bench_sync.py --json sync.json           # the full shape: 94 layers, 128 experts
 
 One run launches N processes (``torch.multiprocessing``, gloo on localhost), builds one
-:class:`~ckpt_tools.sync.SyncSchedule` on every rank, and runs both methods alternately (``--repeats`` each,
-the baseline first in odd repeats, ours first in even ones) on the same weights; the table shows the median.
+:class:`~ckpt_tools.sync.SyncSchedule` on every rank, and runs the three methods in turn (``--repeats`` each, the
+order rotated every repeat so each method runs first, middle and last) on the same weights; the table shows the
+median.
 
 Topology (colocated, as verl's hybrid engine): the actor is Megatron PP2 x TP2 x EP2 (ETP2) with uneven
 stages - 8 ranks, dense DP 2 - and the rollout 2 replicas of vLLM TP2 x DP2 with expert parallel (EP4) on the
@@ -39,7 +41,8 @@ Figures per method: ``seconds`` (median over repeats, barrier to barrier, slowes
 (max / min over rollout ranks, from the sync's own counters; ``recv_bytes`` includes a colocated rank's
 copies to itself), ``bytes_received_min_possible`` (the largest rollout shard: no method can deliver less to
 that rank), messages, and ``peak_rss_gib`` (the largest resident set of any rank while that method ran,
-sampled every 5 ms). ``speedup`` = baseline seconds / ours; ``bytes_ratio`` = ours max received / the
+sampled every 5 ms). ``speedup`` = baseline seconds / ours (``speedup_verified``: / ours_verified);
+``verified_over_ours`` = ours_verified seconds / ours; ``bytes_ratio`` = ours max received / the
 largest shard.
 """
 from __future__ import annotations
