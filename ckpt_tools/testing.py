@@ -6,6 +6,7 @@
   that the sync's verification catches a wrong loader): ``("drop", hf)`` silently skips HF tensor ``hf``,
   ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down.
 The real-vLLM equivalence of this delivery is covered by tests/test_sync.py and tests/test_verl_sync.py.
+* :func:`spawn_ranks` - the ``__main__`` of the test workers: one spawned process per rank.
 """
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ class LayoutReceiver:
 
     def snapshot(self):
         return {k: v.clone() for k, v in self.params.items()}
+
+
+def spawn_ranks(target, a: dict):
+    """Run ``target(rank, world, a)`` in ``a["world"]`` spawned processes; wait up to ``a["join_s"]`` (600 s) for
+    each, then kill what is left (a worker that hangs must not hang the test run)."""
+    import os
+
+    os.makedirs(a["out"], exist_ok=True)
+    ctx = torch.multiprocessing.start_processes(target, args=(a["world"], a), nprocs=a["world"], join=False,
+                                                start_method="spawn")
+    for p in ctx.processes:
+        p.join(a.get("join_s", 600))
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()

@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +17,47 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(worker: str, tmp, timeout=600, expect=None, **kw):
+    """Run tests/<worker> (spawned ranks of a gloo world; each writes rank_{r}.json); returns ({rank: result},
+    seconds). Fails with the workers' stderr when fewer than ``expect`` (default: world) ranks wrote a result."""
+    out = os.path.join(str(tmp), f"{worker.split('.')[0]}_{free_port()}")
+    kw.update(out=out, port=free_port())
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("CKPT_TOOLS_SYNC", None)
+    t0 = time.time()
+    p = subprocess.run([sys.executable, os.path.join(HERE, worker), json.dumps(kw)], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    res = {}
+    for fn in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        if fn.startswith("rank_"):
+            d = json.load(open(os.path.join(out, fn)))
+            res[d["rank"]] = d
+    if len(res) < (expect or kw["world"]):
+        raise AssertionError(f"{worker} wrote {sorted(res)} (rc {p.returncode}):\n{p.stderr[-6000:]}")
+    return res, time.time() - t0
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) -> a fresh tmpfs of that size (e.g. "8M") under tmp_path, unmounted after the test; needs root
+    and mount(2), else the test is skipped."""
+    mounts = []
+
+    def mount(size):
+        mnt = tmp_path / f"mnt{len(mounts)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        mounts.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounts:
+        subprocess.run(["umount", "-l", str(mnt)])
 
 
 def run_megatron(tmp, **kw):

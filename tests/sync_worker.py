@@ -473,13 +473,7 @@ def run_real(rank, world, a):
 
 
 if __name__ == "__main__":
+    from ckpt_tools.testing import spawn_ranks
+
     a = json.loads(sys.argv[1])
-    os.makedirs(a["out"], exist_ok=True)
-    target = {"fake": run_fake, "real": run_real, "checks": run_checks}[a["mode"]]
-    ctx = torch.multiprocessing.start_processes(target, args=(a["world"], a), nprocs=a["world"], join=False,
-                                                start_method="spawn")
-    for p in ctx.processes:
-        p.join(a.get("join_s", 600))
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
+    spawn_ranks({"fake": run_fake, "real": run_real, "checks": run_checks}[a["mode"]], a)

@@ -93,33 +93,11 @@ def test_users_235b_job_plan():
 
 
 # ------------------------------------------------------------------------------ processes over gloo
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-from conftest import free_port  # noqa: E402
-
-HERE = os.path.dirname(__file__)
+from conftest import run_ranks  # noqa: E402
 
 
 def run_worker(tmp, timeout=600, **kw):
-    out = os.path.join(str(tmp), f"sync_{free_port()}")
-    kw.update(out=out, port=free_port())
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.time()
-    p = subprocess.run([sys.executable, os.path.join(HERE, "sync_worker.py"), json.dumps(kw)], capture_output=True,
-                       text=True, env=env, timeout=timeout)
-    res = {}
-    for fn in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        if fn.startswith("rank_"):
-            d = json.load(open(os.path.join(out, fn)))
-            res[d["rank"]] = d
-    if len(res) < kw.get("expect", kw["world"]):
-        raise AssertionError(f"sync worker wrote {sorted(res)} (rc {p.returncode}):\n{p.stderr[-4000:]}")
-    return res, time.time() - t0
+    return run_ranks("sync_worker.py", tmp, timeout, **kw)
 
 
 FAKE = dict(mode="fake", mpar={"pp": 2, "layer_list": [2, 4], "tp": 1}, vpar={"tp": 2}, kw={"bucket_bytes": 60000})

@@ -449,17 +449,9 @@ def test_exit_3_disk_full_and_1_differences(tiny_hf, tmp_path, capsys, monkeypat
 
 
 @pytest.fixture
-def small_mount(tmp_path):
+def small_mount(tmpfs):
     """A 1 MiB tmpfs (the tiny model's output is ~1.8 MiB); needs root and mount(2), else skipped."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+    return tmpfs("1M")
 
 
 def test_exit_3_real_full_and_read_only_file_systems(tiny_hf, small_mount):

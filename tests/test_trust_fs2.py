@@ -174,17 +174,9 @@ def test_non_utf8_json_files_are_one_line_exit_2(tiny_hf, mc, tmp_path, capsys):
 
 
 @pytest.fixture
-def mount8m(tmp_path):
+def mount8m(tmpfs):
     """An 8 MiB tmpfs (room for the tiny model's data); needs root and mount(2), else skipped."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+    return tmpfs("8M")
 
 
 def _fill(path):

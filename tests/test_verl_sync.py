@@ -15,18 +15,11 @@ on 2 ranks almost every region is local to its rank: recv_net_bytes 768 on rank 
 embed_tokens and lm_head (vocab 250: megatron splits 125 / 125, vLLM's padded 256 splits 128 / 128).
 """
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import free_port
+from conftest import run_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.megatron,
@@ -62,24 +55,10 @@ def _moe_hf(d):
 
 
 def run_verl_worker(tmp, timeout=900, **kw):
-    out = os.path.join(str(tmp), f"verl_{free_port()}")
-    kw.update(out=out, port=free_port(), world=kw.get("world", 2))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("CKPT_TOOLS_SYNC", None)
-    t0 = time.time()
-    p = subprocess.run([sys.executable, os.path.join(HERE, "verl_worker.py"), json.dumps(kw)], capture_output=True,
-                       text=True, env=env, timeout=timeout)
-    res = {}
-    for fn in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        if fn.startswith("rank_"):
-            d = json.load(open(os.path.join(out, fn)))
-            res[d["rank"]] = d
-    if len(res) < kw["world"]:
-        raise AssertionError(f"verl worker wrote {sorted(res)} (rc {p.returncode}):\n{p.stderr[-6000:]}")
+    res, secs = run_ranks("verl_worker.py", tmp, timeout, world=kw.pop("world", 2), **kw)
     errs = [f"rank {r}: {d['traceback']}" for r, d in res.items() if "error" in d]
     assert not errs, "\n".join(errs)
-    return res, time.time() - t0
+    return res, secs
 
 
 def _check(res, dense):

@@ -302,14 +302,6 @@ def _jsonable(d):
 
 
 if __name__ == "__main__":
-    import torch
+    from ckpt_tools.testing import spawn_ranks
 
-    a = json.loads(sys.argv[1])
-    os.makedirs(a["out"], exist_ok=True)
-    ctx = torch.multiprocessing.start_processes(run, args=(a["world"], a), nprocs=a["world"], join=False,
-                                                start_method="spawn")
-    for p in ctx.processes:
-        p.join(a.get("join_s", 600))
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
+    spawn_ranks(run, json.loads(sys.argv[1]))
