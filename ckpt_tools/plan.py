@@ -43,7 +43,7 @@ def predict(nbytes: int, disk_gbps: float) -> dict:
     """Conversion is I/O: every byte is read once and written once through the disk, as ``cp -r`` does.
     ``disk_gbps`` is the disk's combined read+write throughput (measure: ``time (cp -r DIR X && sync)`` moves
     2 x size bytes). The engine streams at about that rate (scripts/bench.py, 2026-12-03: marginal throughput
-    0.57-0.69 GB/s for the three directions vs cp's 0.36 GB/s in the same run; README), plus a fixed start-up."""
+    0.57-0.69 GB/s for the three directions vs cp's 0.36 GB/s in the same run; docs/performance.md), plus a fixed start-up."""
     move = 2 * nbytes / (disk_gbps * 1e9)
     return {"disk_gbps": disk_gbps, "predicted_cp_seconds": move, "predicted_seconds": move + STARTUP_SECONDS}
 
