@@ -12,7 +12,11 @@ Two halves, kept apart:
 * :func:`sync_weights` - the transport: every rank of the job calls it with its live model(s); pieces move
   rank to rank with ``torch.distributed`` point-to-point ops (gloo / NCCL / HCCL), one message per
   (bucket, sender, receiver), cast to the schedule's dtype on the sender, and each rollout rank hands vLLM
-  full-shape HF tensors (only its region filled) through vLLM's own ``model.load_weights``.
+  full-shape HF tensors (only its region filled) through vLLM's own ``model.load_weights``. Device tensors go
+  over the data group only; a gloo control group (:func:`control_group_for`) carries the checks before any byte,
+  the verification's digests (ckpt_tools.digest: what was sent vs what vLLM's parameters hold, per message)
+  and every wait that must time out. The live vLLM model is checked by ckpt_tools.vllm_live; verl's sharding
+  manager calls this through ckpt_tools.integrations.verl.
 
 :func:`sync_weights_gather_all` is the verl-style baseline (per parameter: gather the full tensor on
 every rank, then ``load_weights``), with the same counters, for tests and the benchmark.
