@@ -113,10 +113,10 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
             mine["spec"] = "local"
     for v in _global_shapes(manager.actor_module):
         mine["vocab_rows"] = v
-    alls = [None] * world
-    dist.all_gather_object(alls, mine, group=control)
-    specs = {a["spec"] for a in alls if a["spec"]} or {"te"}
-    rows = {a["vocab_rows"] for a in alls if a["vocab_rows"]}
+    # one monitored all-gather on the control group (a dead peer is a one-line SyncError, not a hang)
+    alls = _exchange_summaries(mine, _comm(None, control), _env_num("CKPT_TOOLS_SYNC_TIMEOUT", 600))
+    specs = {a.get("spec") for a in alls if a.get("spec")} or {"te"}
+    rows = {a.get("vocab_rows") for a in alls if a.get("vocab_rows")}
     if len(specs) > 1 or len(rows) > 1:
         raise SyncError(f"weight sync: ranks disagree on the layer spec {sorted(specs)} or vocab rows {sorted(rows)}")
     rows_n = rows.pop() if rows else cfg.vocab
