@@ -234,8 +234,14 @@ class SyncSchedule:
         return self._messages().get((b, src, dst), [])
 
     def messages_to(self, dst: int) -> list:
-        """[(bucket, sender, pieces)] of receiver ``dst``, by bucket (what the verification digests)."""
-        return [(b, s, ps) for (b, s, d), ps in self._messages().items() if d == dst]
+        """[(bucket, sender, pieces)] of receiver ``dst``, by bucket (what the verification digests); indexed once
+        (the verification asks every step: a scan of every message of the job each time is ~200k for the 235B)."""
+        if not hasattr(self, "_msgs_to"):
+            by = defaultdict(list)
+            for (b, s, d), ps in self._messages().items():
+                by[d].append((b, s, ps))
+            self._msgs_to = dict(by)
+        return self._msgs_to.get(dst, [])
 
     def pair_message_counts(self) -> dict:
         """(sender, receiver) -> messages between them (buckets holding pieces of that pair), self copies too."""
