@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import box_slices
+from ..layout import box_slices
 
 
 class LayoutReceiver:
