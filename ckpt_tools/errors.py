@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import signal
 
-OK, DIFFERENT, BAD_INPUT, ENVIRONMENT = 0, 1, 2, 3
+OK, DIFFERENT, BAD_INPUT, ENVIRONMENT, PEER = 0, 1, 2, 3, 4
 
 EXIT_CODES = (
     (OK, "done (`verify`: no difference)"),
@@ -27,6 +27,8 @@ EXIT_CODES = (
                 "a refused `--out` (an `OUT.lock` that is not ours included)"),
     (ENVIRONMENT, "I/O or environment failure: disk full (ENOSPC), read-only file system (EROFS), permission "
                   "(EACCES), EIO, another run holding `--out`; one line naming the path (or `--out`) and the errno"),
+    (PEER, "under torchrun: another rank failed or was lost (killed, its node gone, silent for `--dist-timeout`); "
+           "one line names it; nothing was published (the failing rank exits with its own code)"),
     (128 + signal.SIGINT, "interrupted by SIGINT: the partial output was removed"),
     (128 + signal.SIGTERM, "interrupted by SIGTERM: the partial output was removed"),
     (128 + signal.SIGHUP, "interrupted by SIGHUP: the partial output was removed"),
@@ -51,6 +53,10 @@ class IntegrityError(ValueError):
     """Source bytes that differ from the source's own manifest: the run stops (exit 1), nothing is published."""
 
 
+class PeerFailed(RuntimeError):
+    """Under torchrun: another rank of the command failed or was lost (exit 4); the message names it."""
+
+
 def exit_code(exc: BaseException) -> int | None:
     """The exit code for an exception that escaped a command; None: a bug (let the traceback show)."""
     if isinstance(exc, Terminated):
@@ -59,6 +65,8 @@ def exit_code(exc: BaseException) -> int | None:
         return 128 + signal.SIGINT
     if isinstance(exc, InputError):
         return BAD_INPUT
+    if isinstance(exc, PeerFailed):
+        return PEER
     if isinstance(exc, IntegrityError):
         return DIFFERENT
     if isinstance(exc, OSError):

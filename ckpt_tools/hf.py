@@ -1,6 +1,7 @@
 """HF safetensors checkpoints: streaming reads with preadv from the header offsets (no mmap), sharded writes with an index."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -9,7 +10,8 @@ import threading
 import torch
 
 from .errors import InputError
-from .layout import Box
+from .driver import Destination
+from .layout import Box, numel
 
 INDEX = "model.safetensors.index.json"
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
@@ -153,7 +155,7 @@ class HFReader:
         safetensors headers (8-byte little-endian length, JSON with ``data_offsets`` relative to the data
         section, checked at open). The engine reads these byte ranges with copy_file_range / preadv."""
         if self._records is None:
-            from .engine import Rec
+            from .copyplan import Rec
 
             self._records = {k: Rec(fp, off, shp, dt, what=k) for k, (fp, off, shp, dt) in self._rec_args.items()}
         return self._records
@@ -234,8 +236,8 @@ def _read_header(fp: str, check: bool = False) -> tuple[int, dict]:
                 ok = False
             if not ok:
                 raise HFError(f"{fp}: corrupt safetensors header entry for {k}")
-            if b - a != _prod(shp) * dt.itemsize:
-                raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {_prod(shp) * dt.itemsize}")
+            if b - a != numel(shp) * dt.itemsize:
+                raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {numel(shp) * dt.itemsize}")
             spans.append((a, b, k))
         pos = 0
         for a, b, k in sorted(spans):
@@ -259,51 +261,54 @@ def _dtype(s: str) -> torch.dtype:
     return _DT[s]
 
 
-class HFShardWriter:
-    """Streams tensors into ``model-0000x-of-0000N.safetensors`` shards of at most ``max_shard_bytes``.
+def safetensors_files(entries: list, max_shard_bytes: int, name=None) -> list:
+    """The file layout of ``entries`` ((name, shape, dtype) in order) as safetensors shards of at most
+    ``max_shard_bytes``: [(file name, header bytes, file size, {tensor: (data offset, shape, dtype)})]. Shard files
+    are ``model-0000x-of-0000N.safetensors`` (``model.safetensors`` alone), or ``name`` for a single file. The
+    format: 8-byte little-endian header length, JSON header padded with spaces to 8 bytes, raw little-endian data."""
+    shards, cur, cur_bytes = [], [], 0
+    for tname, shape, dtype in entries:
+        nb = dtype.itemsize * numel(shape)
+        if cur and cur_bytes + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append((tname, tuple(shape), dtype, nb))
+        cur_bytes += nb
+    if cur:
+        shards.append(cur)
+    n, out = len(shards), []
+    for i, items in enumerate(shards):
+        fn = name or (f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors")
+        hdr, off = {"__metadata__": {"format": "pt"}}, 0
+        for tname, shape, dtype, nb in items:
+            hdr[tname] = {"dtype": _ST[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
+            off += nb
+        hb = json.dumps(hdr, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        base = 8 + len(hb)
+        out.append((fn, len(hb).to_bytes(8, "little") + hb, base + off,
+                    {t: (base + hdr[t]["data_offsets"][0], shape, dtype) for t, shape, dtype, _ in items}))
+    return out
 
-    The shard assignment and every header are fixed up front from (name, shape, dtype), so each tensor is
-    written straight to its offset as it is produced: memory holds one tensor, never a shard. The layout is
-    the safetensors format (8-byte little-endian header length, JSON header padded with spaces to 8 bytes,
-    raw little-endian data); the result is read back with ``safe_open`` in tests. Files are written under
-    ``*.tmp`` names and renamed, with the index, in ``finish``."""
+
+class HFShardWriter:
+    """Writes tensors one by one into safetensors shards laid out up front (:func:`safetensors_files`), each
+    straight to its offset, so memory holds one tensor, never a shard (the test fixtures' writer). Files are
+    written under ``*.tmp`` names and renamed, with the index, in ``finish``."""
 
     def __init__(self, out_dir: str, entries: list, max_shard_bytes: int):
         self.out_dir = out_dir
-        shards, cur, cur_bytes = [], [], 0
-        for name, shape, dtype in entries:
-            nb = dtype.itemsize * _prod(shape)
-            if cur and cur_bytes + nb > max_shard_bytes:
-                shards.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append((name, tuple(shape), dtype, nb))
-            cur_bytes += nb
-        if cur:
-            shards.append(cur)
-        n = len(shards)
         self.file_of, self.offset_of, self.files = {}, {}, []
         self.total = 0
-        for i, items in enumerate(shards):
-            fn = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
-            hdr, off = {"__metadata__": {"format": "pt"}}, 0
-            for name, shape, dtype, nb in items:
-                hdr[name] = {"dtype": _ST[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
-                off += nb
-            hb = json.dumps(hdr, separators=(",", ":")).encode()
-            hb += b" " * (-len(hb) % 8)
-            base = 8 + len(hb)
-            tmp = os.path.join(out_dir, fn + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(len(hb).to_bytes(8, "little"))
-                f.write(hb)
-                f.truncate(base + off)
-            for name, shape, dtype, nb in items:
-                self.file_of[name] = fn
-                self.offset_of[name] = base + hdr[name]["data_offsets"][0]
+        for fn, head, size, where in safetensors_files(entries, max_shard_bytes):
+            with open(os.path.join(out_dir, fn + ".tmp"), "wb") as f:
+                f.write(head)
+                f.truncate(size)
+            for tname, (off, _, _) in where.items():
+                self.file_of[tname], self.offset_of[tname] = fn, off
             self.files.append(fn)
-            self.total += off
-        self.entries = {name: (tuple(shape), dtype) for name, shape, dtype in entries}
-        self.order = [name for name, _, _ in entries]
+            self.total += size - len(head)
+        self.entries = {tname: (tuple(shape), dtype) for tname, shape, dtype in entries}
         self.written = set()
         self._lock = threading.Lock()
         self._fds = {}
@@ -317,18 +322,9 @@ class HFShardWriter:
             if fn not in self._fds:
                 self._fds[fn] = os.open(os.path.join(self.out_dir, fn + ".tmp"), os.O_WRONLY)
             fd = self._fds[fn]
-        buf = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        pwrite_all(fd, memoryview(buf).cast('B') if len(buf) else b'', self.offset_of[name])
+        pwrite_all(fd, tensor_bytes(t), self.offset_of[name])
         with self._lock:
             self.written.add(name)
-
-    def records(self) -> list:
-        """Engine destination records of every tensor, in file order; writing them all counts as written."""
-        from .engine import Rec
-
-        self.written.update(self.entries)
-        return [Rec(os.path.join(self.out_dir, self.file_of[n] + ".tmp"), self.offset_of[n], *self.entries[n], what=n)
-                for n in self.order]
 
     def finish(self) -> dict:
         for fd in self._fds.values():
@@ -339,10 +335,53 @@ class HFShardWriter:
             raise HFError(f"internal: {len(missing)} tensors were never written, e.g. {missing[0]}")
         for fn in self.files:
             os.replace(os.path.join(self.out_dir, fn + ".tmp"), os.path.join(self.out_dir, fn))
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.file_of.items()))}
-        with open(os.path.join(self.out_dir, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-        return index
+        return write_index(self.out_dir, self.total, self.file_of)
+
+
+def write_index(out_dir: str, total: int, file_of: dict) -> dict:
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    return index
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``t`` (row-major)."""
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class HFDestination(Destination):
+    """An HF safetensors checkpoint: ``entries`` ((name, shape, dtype) in order) in shards of at most
+    ``max_shard_bytes`` with ``model.safetensors.index.json``, filled by ``ops(name, record)`` (the copy ops of
+    one tensor), plus the model's config and tokenizer files from ``side_dir`` (``config`` written when
+    ``side_dir`` has no config.json)."""
+
+    kind = "hf"
+
+    def __init__(self, entries: list, max_shard_bytes: int, ops, side_dir: str, config: dict):
+        self.layout = safetensors_files(entries, max_shard_bytes)
+        self.files = {fn: size for fn, _, size, _ in self.layout}
+        self.blobs = {fn: [(0, head)] for fn, head, _, _ in self.layout}
+        self.total = sum(size - len(head) for _, head, size, _ in self.layout)
+        self.ops, self.side_dir, self.config = ops, side_dir, config
+        self.file_of = {t: fn for fn, _, _, where in self.layout for t in where}
+
+    def items(self, root: str):
+        from .copyplan import Rec
+
+        for fn, _, _, where in self.layout:
+            for tname, (off, shape, dtype) in where.items():
+                rec = Rec(os.path.join(root, fn), off, shape, dtype, what=tname)
+                yield rec, functools.partial(self.ops, tname, rec)
+
+    def finish(self, root: str):
+        self.index = write_index(root, self.total, self.file_of)
+        write_side_files(self.side_dir, root, self.config)
+
+    def summary(self) -> dict:
+        return {"tensors": len(self.file_of), "bytes": self.total, "shards": len(self.files)}
 
 
 def pwrite_all(fd: int, mv, offset: int):
@@ -352,21 +391,19 @@ def pwrite_all(fd: int, mv, offset: int):
         done += os.pwrite(fd, mv[done:done + (1 << 30)], offset + done)
 
 
-def _prod(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 _ST = {v: k for k, v in _DT.items()}
 
 
-def copy_side_files(src_dir: str, out_dir: str) -> list[str]:
+def write_side_files(src_dir: str, out_dir: str, config: dict) -> list[str]:
+    """Copy the model's config and tokenizer files (:data:`COPY_FILES`) from ``src_dir``; write ``config`` as
+    config.json when ``src_dir`` has none."""
     done = []
     for fn in COPY_FILES:
         p = os.path.join(src_dir, fn)
         if os.path.isfile(p):
             shutil.copy2(p, os.path.join(out_dir, fn))
             done.append(fn)
+    if "config.json" not in done:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     return done

@@ -35,6 +35,11 @@ def box_numel(b: Box) -> int:
     return math.prod(s1 - s0 for s0, s1 in b)
 
 
+def numel(shape) -> int:
+    """Elements of a tensor of ``shape`` (1 for a scalar)."""
+    return math.prod(shape)
+
+
 def box_intersect(a: Box, b: Box):
     out = []
     for (a0, a1), (b0, b1) in zip(a, b):

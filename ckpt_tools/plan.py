@@ -48,6 +48,23 @@ def predict(nbytes: int, disk_gbps: float) -> dict:
     return {"disk_gbps": disk_gbps, "predicted_cp_seconds": move, "predicted_seconds": move + STARTUP_SECONDS}
 
 
+def predict_distributed(nbytes: int, nodes: int, procs_per_node: int, node_gbps: float, fs_gbps: float,
+                        proc_gbps: float) -> dict:
+    """A conversion (or a two-sided verify: read only, 2 x ``nbytes``) under torchrun on ``nodes`` x
+    ``procs_per_node`` ranks (ckpt_tools.distributed): every byte still goes once through the shared file
+    system (``fs_gbps``: its aggregate read+write throughput), each node moves its share in and out through its
+    own link (``node_gbps``, each direction: a full-duplex NIC) and each process copies at most ``proc_gbps``
+    (read+write; scripts/bench.py measures one process's rate). The slowest of the three bounds the time, plus
+    the fixed start-up (every rank imports torch in parallel) and the ranks' coordination (~1 s)."""
+    n = nodes * procs_per_node
+    bounds = {"shared file system": 2 * nbytes / (fs_gbps * 1e9),
+              "node links": nbytes / nodes / (node_gbps * 1e9),
+              "processes": 2 * nbytes / (n * proc_gbps * 1e9)}
+    limit = max(bounds, key=bounds.get)
+    return {"nodes": nodes, "procs_per_node": procs_per_node, "ranks": n, "bounds_seconds": bounds,
+            "bounded_by": limit, "predicted_seconds": bounds[limit] + STARTUP_SECONDS + 1.0}
+
+
 def plan_vllm(cfg, par, dtype_bytes=2) -> dict:
     lay = VllmLayout(cfg, par)
     ranks = []

@@ -1,4 +1,4 @@
-"""Megatron-core ``torch_dist`` checkpoints, written and read directly (no model, no process group).
+"""Megatron-core ``torch_dist`` checkpoints: the format and its writer (the reader: torch_dist_reader.py).
 
 Format (megatron-core 0.12.1 strategies/torch.py on torch DCP; see docs/format.md):
 * ``metadata.json``: backend names; ``common.pt``: torch.save of the non-sharded part ({} for a model);
@@ -12,23 +12,21 @@ Format (megatron-core 0.12.1 strategies/torch.py on torch DCP; see docs/format.m
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
 import os
 import pickle
-import shutil
 import threading
-import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 
 import torch
 
 from .errors import InputError
-from .fsutil import check_out, discard, hold_point, publish, read_json, staging, write_file
-from .integrity import write_manifest
-from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
-from .progress import Progress
+from .driver import Destination
+from .fsutil import SIDE_CAR, write_file
+from .layout import box_intersect, box_numel, box_shape, box_shift
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
@@ -137,644 +135,117 @@ def chunk_pieces(layout, chunk):
     return out
 
 
-def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
-                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
-                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
-                     label: str = "hf2mcore", check=None) -> dict:
-    """Write ``layout`` (a MegatronLayout with a topology) to ``out_dir`` as megatron's torch_dist would.
+class TorchDistDestination(Destination):
+    """A torch_dist checkpoint of ``layout`` (a MegatronLayout with a topology), as megatron's torch_dist
+    would write it, filled from ``source`` (a view: ``source.sources(hf_name, hf_box)`` yields ``(engine Rec,
+    box in it, hf sub-box)`` covering the box; :class:`~ckpt_tools.views.HFView`, ``McoreView``).
 
-    ``source.sources(hf_name, hf_box)`` yields ``(engine Rec, box in it, hf sub-box)`` covering the box
-    (:class:`~ckpt_tools.views.HFView`, :class:`~ckpt_tools.views.McoreView`). The whole file layout (every
-    chunk's byte range in its rank file) is fixed up front; chunks are laid out and written in source order
-    by the streaming engine. Files go to ``out_dir.partial-*`` and are renamed into place only after
-    ``.metadata`` is complete. ``dtype``: one torch dtype for every key, or a function key -> dtype (each
-    key saved in its own dtype). ``check``: the source's SourceCheck (:func:`~ckpt_tools.engine.run_copy`).
-    Returns a summary dict."""
-    from .engine import EngineError, Op, Rec, map_sub, run_copy
+    The whole file layout (every chunk's byte range in its rank file, then the ``_extra_state`` objects) is
+    fixed here; chunks are ordered by where their first HF tensor lives in the source, so the copy reads the
+    source in order. ``dtype``: one torch dtype for every key, or a function key -> dtype. ``side_car``: the
+    ``ckpt_tools.json`` record of how the checkpoint was written (not listed in the manifest)."""
 
-    check_out(out_dir, "mcore", overwrite, inputs, DistCkptError)  # before any work
-    key_dtype = dtype if callable(dtype) else (lambda _key: dtype)
+    kind = "mcore"
 
-    dcp_background()
-    chunks = layout.chunks()  # validates the topology before anything is written
-    # processing order = source order: by where the first HF tensor of the chunk's (key, layer[, expert])
-    # lives in the source (file, offset), then by the chunk's box (TP ranks of one tensor side by side)
-    seg_index = layout.segment_index()
-    hf_pos = source.positions() if hasattr(source, "positions") else {n: ("", i) for i, n in enumerate(layout.hf_shapes)}
+    def __init__(self, layout, source, dtype, side_car: dict | None = None):
+        self.layout, self.source, self.side_car = layout, source, side_car
+        self.key_dtype = key_dtype = dtype if callable(dtype) else (lambda _key: dtype)
+        self.manifest_skip = (SIDE_CAR,) if side_car is not None else ()
+        dcp_background()
+        self.chunks = chunks = layout.chunks()  # validates the topology before anything is written
+        # processing order = source order: by where the first HF tensor of the chunk's (key, layer[, expert])
+        # lives in the source (file, offset), then by the chunk's box (TP ranks of one tensor side by side)
+        seg_index = layout.segment_index()
+        hf_pos = source.positions() if hasattr(source, "positions") else {n: ("", i) for i, n in enumerate(layout.hf_shapes)}
 
-    def sort_key(c):
-        segs = seg_index.get((c.key, tuple(b[0] for b in c.box[:layout.nlead(c.key)])))
-        return (hf_pos[segs[0].hf] if segs else ("\uffff", 0)), c.box
+        def sort_key(c):
+            segs = seg_index.get((c.key, tuple(b[0] for b in c.box[:layout.nlead(c.key)])))
+            return (hf_pos[segs[0].hf] if segs else ("\uffff", 0)), c.box
 
-    order = sorted(chunks, key=sort_key)
-    obj_payload = _save_bytes([None])
-    by_rank_objs = defaultdict(list)
-    for key, shape, offset in layout.objects:
-        by_rank_objs[layout.object_owner(shape, offset)].append((key, shape, offset))
-    ranks = sorted({c.rank for c in chunks} | set(by_rank_objs))
-    fname = {r: f"__{r}_0.distcp" for r in ranks}
-    tmp = staging(out_dir, overwrite, DistCkptError, kind="mcore", inputs=inputs)
-    # the whole file layout, fixed up front: chunk records in processing order, then the _extra_state objects
-    pos = defaultdict(int)
-    storage = {}
-    dsts = []
-    for c in order:
-        shp = box_shape(c.box)
-        cdt = key_dtype(c.key)
-        head, tail = record_template(shp, cdt)
-        fn = fname[c.rank]
-        off = pos[c.rank]
-        rec = Rec(os.path.join(tmp, fn), off + len(head), shp, cdt, head=head, tail=tail, what=c.key)
-        length = len(head) + rec.nbytes + len(tail)
-        pos[c.rank] = off + length
-        storage[(c.key, tuple(b[0] for b in c.box))] = (fn, off, length)
-        dsts.append((c, rec))
-    blobs = defaultdict(list)
-    for r in ranks:
-        for key, shape, offset in by_rank_objs[r]:
-            storage[(layout.object_dcp_key(key, shape, offset), None)] = (fname[r], pos[r], len(obj_payload))
-            blobs[r].append(obj_payload)
-            pos[r] += len(obj_payload)
-    total = sum(box_numel(c.box) * key_dtype(c.key).itemsize for c in chunks)
-
-    def items():  # lazy: each chunk's copy ops are worked out as the copy reaches it
-        for c, rec in dsts:
-            ops = []
-            for hf, hbox, dbox in chunk_pieces(layout, c):
-                for srec, sbox, hsub in source.sources(hf, hbox):
-                    ops.append(Op(srec, sbox, rec, map_sub(hbox, dbox, hsub) if hsub != hbox else dbox))
-            yield rec, ops
-
-    bar = Progress(total, label, enabled=progress)
-    t0 = time.time()
-    try:
+        order = sorted(chunks, key=sort_key)
+        obj_payload = _save_bytes([None])
+        by_rank_objs = defaultdict(list)
+        for key, shape, offset in layout.objects:
+            by_rank_objs[layout.object_owner(shape, offset)].append((key, shape, offset))
+        ranks = sorted({c.rank for c in chunks} | set(by_rank_objs))
+        fname = {r: f"__{r}_0.distcp" for r in ranks}
+        pos = defaultdict(int)
+        self.storage, self.recs = {}, []
+        for c in order:
+            shp = box_shape(c.box)
+            cdt = key_dtype(c.key)
+            head, tail = record_template(shp, cdt)
+            fn = fname[c.rank]
+            off = pos[c.rank]
+            length = len(head) + math.prod(shp) * cdt.itemsize + len(tail)
+            pos[c.rank] = off + length
+            self.storage[(c.key, tuple(b[0] for b in c.box))] = (fn, off, length)
+            self.recs.append((c, fn, off + len(head), shp, cdt, head, tail))
+        self.blobs = defaultdict(list)
         for r in ranks:
-            with open(os.path.join(tmp, fname[r]), "wb") as f:
-                f.truncate(pos[r])
-                if blobs[r]:
-                    f.seek(pos[r] - len(obj_payload) * len(blobs[r]))
-                    f.write(b"".join(blobs[r]))
-        try:
-            hashes = []
-            stats = run_copy(items(), workers=workers, max_memory=max_memory, progress=bar, direct=direct_io,
-                             io_threads=io_threads, hashes=hashes, check=check)
-        except EngineError as e:
-            raise DistCkptError(str(e)) from None
-        bar.close()
-        hold_point("data-written")
+            for key, shape, offset in by_rank_objs[r]:
+                self.storage[(layout.object_dcp_key(key, shape, offset), None)] = (fname[r], pos[r], len(obj_payload))
+                self.blobs[fname[r]].append((pos[r], obj_payload))
+                pos[r] += len(obj_payload)
+        self.files = {fname[r]: pos[r] for r in ranks}
+        self.total = sum(box_numel(c.box) * key_dtype(c.key).itemsize for c in chunks)
+
+    def items(self, root: str):
+        from .copyplan import Rec
+
+        for c, fn, off, shp, cdt, head, tail in self.recs:
+            rec = Rec(os.path.join(root, fn), off, shp, cdt, head=head, tail=tail, what=c.key)
+            yield rec, functools.partial(self._ops, c, rec)
+
+    def _ops(self, c, rec) -> list:
+        from .copyplan import Op, map_sub
+
+        ops = []
+        for hf, hbox, dbox in chunk_pieces(self.layout, c):
+            for srec, sbox, hsub in self.source.sources(hf, hbox):
+                ops.append(Op(srec, sbox, rec, map_sub(hbox, dbox, hsub) if hsub != hbox else dbox))
+        return ops
+
+    def finish(self, root: str):
+        layout, key_dtype = self.layout, self.key_dtype
         m = dcp()
         sdm = {}
         TensorStorageMetadata, TensorProperties, ChunkStorageMetadata = \
             m.TensorStorageMetadata, m.TensorProperties, m.ChunkStorageMetadata
         for key, ts in layout.tensors.items():
             sdm[key] = TensorStorageMetadata(TensorProperties(dtype=key_dtype(key)), torch.Size(ts.shape), [])
-        for c in chunks:
+        for c in self.chunks:
             sdm[c.key].chunks.append(ChunkStorageMetadata(torch.Size([b[0] for b in c.box]),
                                                           torch.Size(box_shape(c.box))))
         for key, shape, offset in layout.objects:
             sdm[layout.object_dcp_key(key, shape, offset)] = m.BytesStorageMetadata()
-        if len(storage) != len(chunks) + len(layout.objects):
-            raise DistCkptError(f"internal: laid out {len(storage)} items, planned {len(chunks) + len(layout.objects)}")
+        if len(self.storage) != len(self.chunks) + len(layout.objects):
+            raise DistCkptError(f"internal: laid out {len(self.storage)} items, planned "
+                                f"{len(self.chunks) + len(layout.objects)}")
         storage_data = {m.MetadataIndex(k, None if off is None else torch.Size(off)): m._StorageInfo(*v)
-                        for (k, off), v in storage.items()}
+                        for (k, off), v in self.storage.items()}
         md = m.Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
                         storage_meta=m.StorageMeta(), version="1.0.0")
         md.mcore_data = {k: {} for k in layout.tensors}
-        write_file(os.path.join(tmp, "common.pt"), _save_bytes({}), sync=False)  # not torch.save(path): ENOSPC
-        write_file(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON).encode(), sync=False)
-        write_file(os.path.join(tmp, ".metadata"), pickle.dumps(md))
-        write_manifest(tmp, hashes)
-        publish(tmp, out_dir, DistCkptError)
-    except BaseException:
-        bar.close()
-        discard(tmp)
-        raise
-    dt = time.time() - t0
-    return {"out": out_dir, "files": len(ranks), "chunks": len(chunks), "objects": len(layout.objects),
-            "bytes": total, "seconds": dt, "ranks": len(ranks), "engine": stats}
+        write_file(os.path.join(root, "common.pt"), _save_bytes({}), sync=False)  # not torch.save(path): ENOSPC
+        write_file(os.path.join(root, "metadata.json"), json.dumps(METADATA_JSON).encode(), sync=False)
+        write_file(os.path.join(root, ".metadata"), pickle.dumps(md))
+        if self.side_car is not None:
+            write_file(os.path.join(root, SIDE_CAR), json.dumps(self.side_car, indent=1).encode(), sync=False)
+
+    def summary(self) -> dict:
+        return {"files": len(self.files), "chunks": len(self.chunks), "objects": len(self.layout.objects),
+                "bytes": self.total, "ranks": len(self.files)}
 
 
-# -------------------------------------------------------------------------------------------- reader
-class TorchDistReader:
-    """Reads any megatron-core torch_dist checkpoint: ``.metadata`` with the allow-list unpickler
-    (:mod:`ckpt_tools.safe_pickle`; torch's FileSystemReader would run any code in it), chunk
-    bytes by (file, offset, length). ``prefix`` is auto-detected (``model.`` in verl training checkpoints)."""
+def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
+                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
+                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
+                     label: str = "hf2mcore") -> dict:
+    """Write ``layout`` filled from the view ``source`` to ``out_dir`` (:class:`TorchDistDestination` through
+    the conversion driver, without a source integrity gate: the caller opened ``source``)."""
+    from .driver import Job, Options, convert
 
-    def __init__(self, path: str, prefix: str | None = None, cache_bytes: int = 1 << 30):
-        self.path = path
-        if not os.path.isdir(path):
-            raise DistCkptError(f"{path}: not a directory")
-        mj = os.path.join(path, "metadata.json")
-        if not os.path.isfile(mj):
-            raise DistCkptError(f"{path}: no metadata.json - not a megatron dist checkpoint")
-        backend = read_json(mj, DistCkptError).get("sharded_backend")
-        if backend != "torch_dist":
-            raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
-        m = dcp()
-        Metadata, TensorStorageMetadata = m.Metadata, m.TensorStorageMetadata
-        from .safe_pickle import UnsafePickleError, load_metadata
-
-        try:  # torch's FileSystemReader.read_metadata is a plain pickle.load: allow-list unpickler instead
-            md = load_metadata(os.path.join(path, ".metadata"))
-        except (FileNotFoundError, IsADirectoryError):
-            raise DistCkptError(f"{path}: no .metadata file") from None
-        except UnsafePickleError as e:
-            raise DistCkptError(str(e)) from None
-        except OSError:
-            raise  # I/O failure, not bad input (exit 3)
-        except Exception as e:  # noqa: BLE001 - unpickling a corrupted file raises anything
-            raise DistCkptError(f"{path}/.metadata: corrupted or unreadable ({type(e).__name__}: {e})") from None
-        if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
-            raise DistCkptError(f"{path}/.metadata: not a torch DCP Metadata object")
-        self.md = md
-        self.tensors: dict[str, tuple] = {}
-        self.objects: set = set()
-        for k, v in md.state_dict_metadata.items():
-            if isinstance(v, TensorStorageMetadata):
-                self.tensors[k] = v
-            else:
-                self.objects.add(k)
-        self.storage = md.storage_data or {}
-        if prefix is None:
-            prefix = self._detect_prefix()
-        self.prefix = prefix
-        self._chunk_index = None
-        self._qindex: dict = {}
-        self._recs: dict = {}
-        self._classes: dict = {}
-        self._heads: dict = {}
-        self._cache: OrderedDict = OrderedDict()
-        self._cache_bytes, self._cache_max = 0, cache_bytes
-        self._lock = threading.Lock()
-        missing_files = sorted({si.relative_path for si in self.storage.values()
-                                if not os.path.isfile(os.path.join(path, si.relative_path))})
-        if missing_files:
-            raise DistCkptError(f"{path}: missing data file {missing_files[0]}"
-                                + (f" (and {len(missing_files) - 1} more)" if len(missing_files) > 1 else ""))
-
-    def structure(self, limit: int = 20) -> list[tuple[str, bool]]:
-        """What megatron's loader needs besides the data, without reading the data: ``common.pt`` present and
-        loadable with ``weights_only=True``; every file at least as long as its records need; every tensor
-        chunk record's zip structure whole (:meth:`record_problem`: the header bytes those of its layout class,
-        whose exemplar torch's zip reader parses, and the central directory and end records after the data);
-        every ``_extra_state`` object record a readable torch.save zip (loaded with ``weights_only=True``;
-        identical payloads are loaded once). Returns (problem, affects the model weights) pairs, at most
-        ``limit``: ``common.pt`` and ``_extra_state`` records are not weights (a conversion, which writes its
-        own, warns about them; megatron's load fails on them all the same)."""
-        out = []
-        cp = os.path.join(self.path, "common.pt")
-        if not os.path.isfile(cp):
-            out.append(("missing common.pt (megatron's load_common fails without it)", False))
-        else:
-            try:
-                torch.load(cp, weights_only=True, map_location="cpu")
-            except Exception as e:  # noqa: BLE001 - a damaged file raises anything
-                out.append((f"common.pt: not loadable with weights_only=True ({type(e).__name__}: {str(e)[:120]})",
-                            False))
-        need = defaultdict(lambda: [0, 0])  # file -> [end of its tensor records, end of all its records]
-        for mi, si in self.storage.items():
-            n = need[si.relative_path]
-            n[1] = max(n[1], si.offset + si.length)
-            if mi.fqn in self.tensors:
-                n[0] = max(n[0], si.offset + si.length)
-        short, short_objects = set(), set()
-        for rel, (n_data, n_all) in sorted(need.items()):
-            fp = os.path.join(self.path, rel)
-            size = os.path.getsize(fp) if os.path.isfile(fp) else None
-            if size is None:
-                out.append((f"{rel}: missing", True))
-                short.add(rel)
-            elif size < n_data:
-                out.append((f"{rel}: truncated ({size} bytes, its records need {n_all})", True))
-                short.add(rel)
-            elif size < n_all:
-                out.append((f"{rel}: truncated ({size} bytes, its _extra_state records need {n_all})", False))
-                short_objects.add(rel)
-        for key in self.tensors:
-            for cbox, si in self.chunks(key):
-                if len(out) > limit:
-                    break
-                if si.relative_path in short:
-                    continue
-                try:
-                    rec = self.record(key, cbox, si)
-                    why = None if rec.slow else self.record_problem(rec, si)
-                    if why is not None:
-                        out.append((f"{si.relative_path}: chunk of {key} at byte {si.offset}: torch.save zip record: "
-                                    f"{why}", True))
-                    elif rec.slow and si.length <= self.ANALYSE_MAX:  # not our layout class: torch.load reads it
-                        self.load_chunk(key, cbox, si)
-                except DistCkptError as e:
-                    out.append((str(e), True))
-        seen: dict = {}
-        for mi, si in self.storage.items():
-            if len(out) > limit:
-                break
-            if mi.fqn not in self.objects or si.relative_path in short | short_objects:
-                continue
-            with open(os.path.join(self.path, si.relative_path), "rb") as f:
-                f.seek(si.offset)
-                raw = f.read(si.length)
-            verdict = seen.get(raw)
-            if verdict is None:
-                verdict = seen[raw] = _object_ok(raw)
-            if verdict is not True:
-                out.append((f"{si.relative_path}: _extra_state object {mi.fqn} at byte {si.offset}: {verdict}", False))
-        if len(out) > limit:
-            out = out[:limit] + [(f"... and more (first {limit} shown)", any(w for _, w in out[limit:]))]
-        return out
-
-    def record_problem(self, rec, si) -> str | None:
-        """None when the zip record of a fast-path chunk is whole: the bytes before the data are its layout
-        class's (:meth:`head_ok`) and every structural byte after it - the later entries' local headers, the
-        central directory, the zip64 and end-of-central-directory records - parses as torch's reader needs
-        (:func:`zip_problem`). Reads only the bytes around the data."""
-        if not self.head_ok(rec):
-            return "zip header differs from its layout class's"
-        data_off = rec.offset - si.offset
-        end = data_off + rec.nbytes
-        fp = os.path.join(self.path, si.relative_path)
-        with open(fp, "rb") as f:
-            head = os.pread(f.fileno(), data_off, si.offset)
-            tail = os.pread(f.fileno(), si.length - end, si.offset + end)
-        if len(head) != data_off or len(tail) != si.length - end:
-            return "truncated"
-
-        def read(off, n):
-            if off >= 0 and off + n <= data_off:
-                return head[off:off + n]
-            if off >= end and off + n <= si.length:
-                return tail[off - end:off - end + n]
-            raise _ZipDamage(f"a zip structure at record byte {off} overlaps the tensor data or the record's end")
-
-        return zip_problem(read, si.length, data_off, rec.nbytes)
-
-    def _detect_prefix(self) -> str:
-        cands = sorted((k[: -len("embedding.word_embeddings.weight")] for k in self.tensors
-                        if k.endswith("embedding.word_embeddings.weight")), key=len)
-        if not cands:
-            raise DistCkptError(f"{self.path}: no '*embedding.word_embeddings.weight' key - not a GPT model checkpoint")
-        return cands[0]
-
-    def model_keys(self) -> list[str]:
-        """Tensor keys under the model prefix (optimizer state and other entries are skipped)."""
-        p = self.prefix
-        return [k for k in self.tensors if k.startswith(p) and not k.startswith(p + "optimizer")]
-
-    def chunks(self, key: str) -> list[tuple[Box, object]]:
-        if self._chunk_index is None:
-            idx = defaultdict(list)
-            for mi, si in self.storage.items():
-                if mi.offset is not None and mi.fqn in self.tensors:
-                    idx[mi.fqn].append((tuple(mi.offset), si))
-            out = {}
-            for k, v in self.tensors.items():
-                sizes = {tuple(c.offsets): tuple(c.sizes) for c in v.chunks}
-                lst = []
-                for off, si in idx.get(k, ()):
-                    sz = sizes.get(off)
-                    if sz is None:
-                        raise DistCkptError(f"{self.path}: storage entry for {k} at {off} has no chunk metadata")
-                    lst.append((tuple((o, o + s) for o, s in zip(off, sz)), si))
-                if len(lst) != len(v.chunks):
-                    raise DistCkptError(f"{self.path}: {k} lists {len(v.chunks)} chunks but {len(lst)} have data")
-                out[k] = lst
-            self._chunk_index = out
-        return self._chunk_index[key]
-
-    def chunk_query(self, key: str, box: Box):
-        """Chunks of ``key`` overlapping ``box`` (indexed on the first two dims: layer, expert)."""
-        idx = self._qindex.get(key)
-        if idx is None:
-            idx = self._qindex[key] = _IntervalIndex(self.chunks(key), 0)
-        return idx.query(box)
-
-    def coverage(self, key: str) -> tuple[bool, str]:
-        """Every element of ``key`` stored exactly once (a gap would load as zeros in megatron)."""
-        return boxes_disjoint_cover([b for b, _ in self.chunks(key)], tuple(self.tensors[key].size))
-
-    def shape(self, key):
-        return tuple(self.tensors[key].size)
-
-    def dtype(self, key):
-        return self.tensors[key].properties.dtype
-
-    def load_chunk(self, key: str, box: Box, si) -> torch.Tensor:
-        ck = (key, box)
-        with self._lock:
-            t = self._cache.get(ck)
-            if t is not None:
-                self._cache.move_to_end(ck)
-                return t
-        fp = os.path.join(self.path, si.relative_path)
-        b = self._read_record(key, si)
-        try:
-            t = torch.load(io.BytesIO(b), weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001
-            raise DistCkptError(f"{fp}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
-        if tuple(t.shape) != box_shape(box):
-            raise DistCkptError(f"{fp}: chunk of {key} has shape {tuple(t.shape)}, metadata says {box_shape(box)}")
-        nb = t.numel() * t.element_size()
-        with self._lock:
-            if nb <= self._cache_max:
-                self._cache[ck] = t
-                self._cache_bytes += nb
-                while self._cache_bytes > self._cache_max:
-                    _, old = self._cache.popitem(last=False)
-                    self._cache_bytes -= old.numel() * old.element_size()
-        return t
-
-    def record(self, key: str, cbox: Box, si):
-        """The engine source :class:`~ckpt_tools.engine.Rec` of one stored chunk: the raw data inside its
-        torch.save zip record. Records of one (length, shape, dtype) class are laid out alike; one exemplar
-        per class is parsed with torch's own zip reader and torch.load (data offset, contiguity, byte order),
-        and every record is checked against the exemplar's header bytes before its first read (a record
-        that differs is read with torch.load instead)."""
-        rk = (key, cbox)
-        rec = self._recs.get(rk)
-        if rec is None:
-            from .engine import Rec
-
-            shp, dt = box_shape(cbox), self.dtype(key)
-            ck = (si.length, shp, dt)
-            cls = self._classes.get(ck)
-            if cls is None:
-                cls = self._classes[ck] = self._analyse(key, cbox, si, dt)
-            data_off, head = cls
-            rec = self._recs[rk] = Rec(os.path.join(self.path, si.relative_path), si.offset + data_off, shp, dt,
-                                       expect_head=head, span=(si.offset, si.length), slow=head is None,
-                                       what=f"chunk of {key} at {[b[0] for b in cbox]}")
-        return rec
-
-    ANALYSE_MAX = 64 << 20  # records larger than this are analysed without reading their data
-
-    def _analyse(self, key, cbox, si, dt):
-        """(data offset in the record, header bytes before it) or (0, None) when the record is not a plain
-        little-endian contiguous dump of the chunk. A record above ``ANALYSE_MAX`` bytes is parsed through a
-        window on the file: torch's zip reader reads only the headers and central directory, and torch.load
-        under ``torch.serialization.skip_data()`` builds the tensor without reading its storage (allocated,
-        never touched: resident memory stays small whatever the chunk size)."""
-        if si.length > self.ANALYSE_MAX:
-            return self._analyse_lazy(key, cbox, si, dt)
-        raw = self._read_record(key, si)
-        try:
-            zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
-            t = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001
-            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != box_shape(cbox) or t.dtype != dt:
-            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} holds {getattr(t, 'shape', type(t))} "
-                                f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
-        names = zr.get_all_records()
-        data = [n for n in names if n.startswith("data/")]
-        nbytes = t.numel() * t.element_size()
-        if (len(data) != 1 or not t.is_contiguous() or t.storage_offset() != 0
-                or t.untyped_storage().nbytes() != nbytes
-                or ("byteorder" in names and bytes(zr.get_record("byteorder")) != b"little")):
-            return 0, None
-        off = zr.get_record_offset(data[0])
-        if raw[off:off + nbytes] != t.view(torch.uint8).reshape(-1).numpy().tobytes():
-            return 0, None
-        return off, bytes(raw[:off])
-
-    def _analyse_lazy(self, key, cbox, si, dt):
-        fp = os.path.join(self.path, si.relative_path)
-        if os.path.getsize(fp) < si.offset + si.length:
-            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
-        with open(fp, "rb") as f:
-            try:
-                zr = torch._C.PyTorchFileReader(_Window(f, si.offset, si.length))
-                names = zr.get_all_records()
-                data = [n for n in names if n.startswith("data/")]
-                with torch.serialization.skip_data():  # storage allocated, never read nor touched
-                    t = torch.load(_Window(f, si.offset, si.length), weights_only=True, map_location="cpu")
-                order = bytes(zr.get_record("byteorder")) if "byteorder" in names else b"little"
-                off = zr.get_record_offset(data[0]) if len(data) == 1 else None
-            except Exception as e:  # noqa: BLE001
-                raise DistCkptError(f"{fp}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != box_shape(cbox) or t.dtype != dt:
-                raise DistCkptError(f"{fp}: chunk of {key} holds {getattr(t, 'shape', type(t))} "
-                                    f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
-            nbytes = math.prod(t.shape) * dt.itemsize
-            if (off is None or not t.is_contiguous() or t.storage_offset() != 0 or order != b"little"
-                    or off + nbytes > si.length):
-                return 0, None
-            f.seek(si.offset)
-            return off, f.read(off)
-
-    def _read_record(self, key, si) -> bytes:
-        fp = os.path.join(self.path, si.relative_path)
-        with open(fp, "rb") as f:
-            f.seek(si.offset)
-            b = f.read(si.length)
-        if len(b) != si.length:
-            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
-        return b
-
-    def read_box(self, key: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Assemble ``box`` of global tensor ``key`` from the chunks overlapping it. Each chunk's part is read
-        with preadv from its record (only the rows the box needs; memory follows the box, not the chunk);
-        a record whose header bytes differ from its class's exemplar is read with torch.load."""
-        out = torch.empty(box_shape(box), dtype=dtype or self.dtype(key))
-        covered = 0
-        origin = tuple(b[0] for b in box)
-        for cbox, si in self.chunk_query(key, box):
-            sub = box_intersect(cbox, box)
-            if sub is None:
-                continue
-            src = self.chunk_part(key, cbox, si, box_shift(sub, tuple(b[0] for b in cbox)))
-            out[box_slices(box_shift(sub, origin))].copy_(src)
-            covered += box_numel(sub)
-        if covered != box_numel(box):
-            raise DistCkptError(f"{self.path}: {key} box {box} is only {covered}/{box_numel(box)} covered by chunks")
-        return out
-
-    def chunk_part(self, key: str, cbox: Box, si, local: Box) -> torch.Tensor:
-        """``local`` (a box inside the chunk) of the stored chunk ``cbox`` of ``key``."""
-        from .engine import EngineError, read_rec_box
-
-        rec = self.record(key, cbox, si)
-        if not rec.slow and self.head_ok(rec):
-            try:
-                return read_rec_box(rec, local)
-            except EngineError as e:
-                raise DistCkptError(str(e)) from None
-        return self.load_chunk(key, cbox, si)[box_slices(local)]
-
-    def head_ok(self, rec) -> bool:
-        """The bytes before ``rec``'s data are its class exemplar's (up to the data CRC field): checked once."""
-        ok = self._heads.get(id(rec))
-        if ok is None:
-            h = rec.expect_head
-            with open(rec.path, "rb") as f:
-                f.seek(rec.offset - len(h))
-                got = f.read(len(h))
-            ok = self._heads[id(rec)] = _mask_crc(got) == _mask_crc(h)
-        return ok
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of bytes [start, start + length) of an open file (for torch's zip reader)."""
-
-    def __init__(self, f, start: int, length: int):
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def seek(self, off, whence=0):
-        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-    def readinto(self, b):
-        n = max(0, min(len(b), self.length - self.pos))
-        got = os.preadv(self.f.fileno(), [memoryview(b)[:n]], self.start + self.pos) if n else 0
-        self.pos += got
-        return got
-
-
-def _object_ok(raw: bytes):
-    """True when ``raw`` is a readable torch.save zip (the payload unpickled with ``weights_only=True`` where
-    that allows it, else every zip record read back), else a short reason."""
-    try:
-        torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-        return True
-    except pickle.UnpicklingError:
-        pass  # a payload weights_only refuses (e.g. Transformer Engine's BytesIO state): check the zip itself
-    except Exception as e:  # noqa: BLE001
-        return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
-    try:
-        zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
-        for n in zr.get_all_records():
-            zr.get_record(n)
-        return True
-    except Exception as e:  # noqa: BLE001
-        return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
-
-
-class _ZipDamage(Exception):
-    pass
-
-
-_LOCAL, _CENTRAL, _EOCD, _EOCD64, _LOC64 = 0x04034B50, 0x02014B50, 0x06054B50, 0x06064B50, 0x07064B50
-
-
-def zip_problem(read, length: int, data_off: int, nbytes: int) -> str | None:
-    """None when the zip structure of a ``torch.save`` record of ``length`` bytes is what torch's reader
-    needs, with its one tensor storage (``*/data/N``) stored at ``data_off`` for ``nbytes`` bytes; else a
-    short reason. ``read(offset, n)`` returns record bytes (and raises for bytes in the data).
-
-    torch's PyTorchStreamReader (miniz; torch/include/caffe2/serialize/inline_container.h: every entry stored
-    uncompressed, "we universally write in ZIP64 format", no archive comment) finds the end-of-central-directory
-    record at the end of the record, the zip64 end record through its locator, reads the central directory at
-    the offset those give and, for each entry, takes name, sizes and the local header offset from its central
-    entry and the data offset from the local header it points to (signature, name and extra lengths); the CRC
-    fields are not checked on load (torch/serialization.py, set_crc32_options). Each of those is checked here."""
-    import struct
-
-    try:
-        sig, _, _, _, n, cd_size, cd_off, comment = struct.unpack("<IHHHHIIH", read(length - 22, 22))
-        if sig != _EOCD or comment:
-            return "end-of-central-directory record damaged"
-        end = length - 22
-        lsig, _, z64, _ = struct.unpack("<IIQI", read(length - 42, 20)) if length >= 42 else (0, 0, 0, 0)
-        if lsig == _LOC64:
-            zsig, _, _, _, _, _, _, n, cd_size, cd_off = struct.unpack("<IQHHIIQQQQ", read(z64, 56))
-            if zsig != _EOCD64 or z64 + 56 > length - 42:
-                return "zip64 end-of-central-directory record damaged"
-            end = z64
-        elif 0xFFFF in (n,) or 0xFFFFFFFF in (cd_size, cd_off):
-            return "zip64 end-of-central-directory locator damaged"
-        if cd_off + cd_size > end:
-            return f"central directory ({cd_size} bytes at {cd_off}) runs past its end record at {end}"
-        cd = read(cd_off, cd_size)
-        pos, spans, data = 0, [], []
-        for _ in range(n):
-            (sig, _, _, _, method, _, _, _, csize, usize, nl, xl, cl, _, _, _, loff) = \
-                struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
-            name = cd[pos + 46:pos + 46 + nl]
-            extra = cd[pos + 46 + nl:pos + 46 + nl + xl]
-            pos += 46 + nl + xl + cl
-            if sig != _CENTRAL or pos > cd_size:
-                return "central directory damaged"
-            wide = [v == 0xFFFFFFFF for v in (usize, csize, loff)]
-            if any(wide):  # zip64 extended information extra field (id 1): the 64-bit values, in this order
-                x = 0
-                while x + 4 <= len(extra) and struct.unpack_from("<H", extra, x)[0] != 1:
-                    x += 4 + struct.unpack_from("<H", extra, x + 2)[0]
-                vals = iter(struct.unpack_from(f"<{sum(wide)}Q", extra, x + 4))
-                usize, csize, loff = (next(vals) if w else v for w, v in zip(wide, (usize, csize, loff)))
-            if method != 0 or csize != usize:
-                return f"central directory entry {name!r} is not stored uncompressed"
-            lsig, _, _, lmethod, _, _, _, _, _, lnl, lxl = struct.unpack("<IHHHHHIIIHH", read(loff, 30))
-            if lsig != _LOCAL or lmethod != method or read(loff + 30, lnl) != name:
-                return f"central directory entry {name!r} does not point at its local header (byte {loff})"
-            start = loff + 30 + lnl + lxl
-            if start + csize > cd_off:
-                return f"entry {name!r} runs into the central directory"
-            spans.append((loff, start + csize))
-            if name.partition(b"/")[2].startswith(b"data/"):
-                data.append((start, csize))
-        if pos != cd_size:
-            return f"central directory holds {pos} bytes of entries, its end record says {cd_size}"
-        spans.sort()
-        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-            return "zip entries overlap"
-        if data != [(data_off, nbytes)]:
-            return f"tensor storage entry at {data} in the central directory, expected [({data_off}, {nbytes})]"
-    except (_ZipDamage, struct.error) as e:
-        return f"zip structure damaged ({e})"
-    return None
-
-
-def _mask_crc(head: bytes) -> bytes:
-    """``head`` with the CRC-32 field of its last zip local header zeroed: torch.save with CRCs on (what
-    megatron writes) puts the data's CRC there, so records of one layout differ only in it."""
-    i = head.rfind(b"PK\x03\x04")
-    if i < 0 or i + 18 > len(head):
-        return head
-    return head[:i + 14] + b"\0\0\0\0" + head[i + 18:]
-
-
-class _IntervalIndex:
-    """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
-
-    def __init__(self, items, d: int, depth: int = 2):
-        self.d = d
-        ndim = len(items[0][0]) if items else 0
-        if d >= ndim or depth == 0:
-            self.leaf, self.items = True, items
-            return
-        self.leaf = False
-        buckets = defaultdict(list)
-        for it in items:
-            buckets[it[0][d]].append(it)
-        self.ivs = sorted(buckets)
-        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.ivs, self.ivs[1:]))
-        self.starts = [iv[0] for iv in self.ivs]
-        self.children = [_IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
-
-    def query(self, box):
-        if self.leaf:
-            return self.items
-        import bisect
-
-        lo, hi = box[self.d]
-        if self.disjoint:
-            i = max(0, bisect.bisect_right(self.starts, lo) - 1)
-            j = bisect.bisect_left(self.starts, hi)
-            rng = range(i, j)
-        else:
-            rng = range(len(self.ivs))
-        out = []
-        for k in rng:
-            a, b = self.ivs[k]
-            if a < hi and b > lo:
-                out.extend(self.children[k].query(box))
-        return out
+    job = Job(out_dir, "mcore", label, inputs or {}, None, lambda: source,
+              lambda view: TorchDistDestination(layout, view, dtype))
+    return convert(job, Options(workers, max_memory, progress, overwrite, direct_io, io_threads), DistCkptError)[2]

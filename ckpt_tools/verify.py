@@ -6,14 +6,15 @@ Both stream: each tensor is compared in row blocks sized from ``max_memory``, re
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
 
-from .engine import row_blocks
+from .copyplan import row_blocks
 from .integrity import (MANIFEST, IntegrityError, ManifestError, SourceCheck, check_manifest, check_sizes,
                         load_manifest)
-from .layout import box_shape, box_shift, box_slices
+from .layout import box_shape, box_shift, box_slices, numel
 from .views import VllmView
 
 # bytes of working memory per compared element: both sides' read buffers and assembled copies, a cast of
@@ -70,13 +71,6 @@ class _Cmp:
             self.max_abs = max(self.max_abs, float((x.float() - y.float()).abs().max()))
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _blocks(box, itemsize_hint: int, max_memory: int):
     """Row blocks of ``box`` (absolute boxes) holding about ``max_memory / BYTES_PER_ELEMENT`` elements."""
     shp = box_shape(box)
@@ -84,14 +78,19 @@ def _blocks(box, itemsize_hint: int, max_memory: int):
     return [box_shift(b, origin) for b in row_blocks(shp, 1, max(1, max_memory // BYTES_PER_ELEMENT))]
 
 
-def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: int = 1 << 30) -> dict:
+def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: int = 1 << 30, group=None) -> dict:
     """Compare view ``a`` with view ``b`` block by block, each side in its own stored dtype: a dtype difference
     is a difference unless ``allow_cast`` (then both are compared in the narrower dtype and the tensors whose
-    values that rounds are counted). Returns a report dict with ``ok``, per-tensor rows and problems."""
+    values that rounds are counted). Returns a report dict with ``ok``, per-tensor rows and problems.
+    ``group`` (:mod:`ckpt_tools.distributed`, under torchrun): each rank compares its share of the tensors
+    (divided by bytes), rank 0 runs the structure checks; every rank returns the whole job's report."""
     from tqdm import tqdm
 
+    from .distributed import Solo, divide
+
+    g = group or Solo()
     rows, problems = [], []
-    for v in (a, b):  # single-side verify's structure checks (not the checksums of the data: compared here)
+    for v in (a, b) if g.lead_rank else ():  # single-side verify's structure checks (the data: compared here)
         probs, _ = structure_checks(v)
         man, bad = _manifest(v.path)
         probs += bad
@@ -101,60 +100,80 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
     if a.cfg.raw and b.cfg.raw and set(a.shapes) != set(b.shapes):
         problems.append("the two sides describe different models (tensor sets differ)")
     vl = a if isinstance(a, VllmView) else b if isinstance(b, VllmView) else None
+    tasks = []  # (what, bytes, function -> row), in report order
     if vl is not None:
         other = b if vl is a else a
         if isinstance(other, VllmView):
             raise ValueError("verify of two vLLM shard dirs is not supported: compare each with the HF source")
-        items = [(r, n, ts) for r, tensors in enumerate(vl.layout.ranks) for n, ts in tensors.items()]
-        for r, n, ts in tqdm(items, desc="verify", disable=not progress):
-            dv = vl.readers[r].dtype(n)
-            row = {"tensor": f"rank{r}:{n}", "shape": list(ts.shape), "dtype": str(dv)}
-            cmps = []
-            whole = None  # a rank tensor within the budget is read once, its segments sliced from it
-            if _numel(ts.shape) <= max_memory // BYTES_PER_ELEMENT:
-                whole = vl.rank_tensor(r, n)
-            for seg in ts.segments:
-                do = other.dtype_of(seg.hf)
-                c = _Cmp(do, dv, allow_cast)
-                cmps.append(c)
-                if c.cast and not allow_cast:
-                    continue
-                for sub in _blocks(seg.hf_box, 4, max_memory):
-                    want = other.read(seg.hf, sub)
-                    tb = seg.hf_to_target(sub)
-                    got = (whole[box_slices(tb)] if whole is not None else vl.rank_tensor(r, n, tb)).reshape(want.shape)
-                    c.add(want, got)
-            zeros_ok = True
-            for z in ts.zeros:
-                for zb in _blocks(z, 4, max_memory):
-                    zt = whole[box_slices(zb)] if whole is not None else vl.rank_tensor(r, n, zb)
-                    if zt.count_nonzero():
-                        zeros_ok = False
-            _finish(row, cmps, allow_cast, zeros_ok)
-            rows.append(row)
+        for r, tensors in enumerate(vl.layout.ranks):
+            for n, ts in tensors.items():
+                tasks.append((n, numel(ts.shape) * 2, functools.partial(_vllm_row, vl, other, r, n, ts, allow_cast,
+                                                                          max_memory)))
     else:
-        for n in tqdm(a.names(), desc="verify", disable=not progress):
+        for n in a.names():
             if n not in b.shapes:
-                rows.append({"tensor": n, "equal": False, "why": "missing on the second side"})
-                continue
-            da, db = a.dtype_of(n), b.dtype_of(n)
-            row = {"tensor": n, "shape": list(a.shapes[n]), "dtype": f"{da}/{db}".replace("torch.", "")}
-            c = _Cmp(da, db, allow_cast)
-            if not (c.cast and not allow_cast):
-                from .layout import full_box
-
-                for sub in _blocks(full_box(a.shapes[n]), 4, max_memory):
-                    c.add(a.read(n, sub), b.read(n, sub))
-            _finish(row, [c], allow_cast)
-            rows.append(row)
+                tasks.append((n, 0, functools.partial(dict, tensor=n, equal=False, why="missing on the second side")))
+            else:
+                tasks.append((n, numel(a.shapes[n]), functools.partial(_row, a, b, n, allow_cast, max_memory)))
         for n in b.names():
             if n not in a.shapes:
-                rows.append({"tensor": n, "equal": False, "why": "missing on the first side"})
+                tasks.append((n, 0, functools.partial(dict, tensor=n, equal=False, why="missing on the first side")))
+    owner = divide([(what, size) for what, size, _ in tasks], g.world)
+    mine = [i for i, r in enumerate(owner) if r == g.rank]
+    done = {i: tasks[i][2]() for i in tqdm(mine, desc="verify", disable=not progress or not g.lead_rank)}
+    if g.world > 1:
+        parts = g.gather({"rows": done, "problems": problems}, "the end of the comparison")
+        done = {int(i): row for p in parts for i, row in p["rows"].items()}
+        problems = parts[0]["problems"]
+    rows = [done[i] for i in range(len(tasks))]
     bad = [r for r in rows if not r["equal"]]
     return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
             "cast": sum(1 for r in rows if r.get("cast")), "rounded": sum(1 for r in rows if r.get("rounded")),
             "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
             "tensors": rows}
+
+
+def _vllm_row(vl, other, r, n, ts, allow_cast, max_memory) -> dict:
+    """One vLLM rank tensor against the other side's HF tensors (its segments) and its padding zeros."""
+    dv = vl.readers[r].dtype(n)
+    row = {"tensor": f"rank{r}:{n}", "shape": list(ts.shape), "dtype": str(dv)}
+    cmps = []
+    whole = None  # a rank tensor within the budget is read once, its segments sliced from it
+    if numel(ts.shape) <= max_memory // BYTES_PER_ELEMENT:
+        whole = vl.rank_tensor(r, n)
+    for seg in ts.segments:
+        do = other.dtype_of(seg.hf)
+        c = _Cmp(do, dv, allow_cast)
+        cmps.append(c)
+        if c.cast and not allow_cast:
+            continue
+        for sub in _blocks(seg.hf_box, 4, max_memory):
+            want = other.read(seg.hf, sub)
+            tb = seg.hf_to_target(sub)
+            got = (whole[box_slices(tb)] if whole is not None else vl.rank_tensor(r, n, tb)).reshape(want.shape)
+            c.add(want, got)
+    zeros_ok = True
+    for z in ts.zeros:
+        for zb in _blocks(z, 4, max_memory):
+            zt = whole[box_slices(zb)] if whole is not None else vl.rank_tensor(r, n, zb)
+            if zt.count_nonzero():
+                zeros_ok = False
+    _finish(row, cmps, allow_cast, zeros_ok)
+    return row
+
+
+def _row(a, b, n, allow_cast, max_memory) -> dict:
+    """Tensor ``n`` of ``a`` against ``b``'s."""
+    from .layout import full_box
+
+    da, db = a.dtype_of(n), b.dtype_of(n)
+    row = {"tensor": n, "shape": list(a.shapes[n]), "dtype": f"{da}/{db}".replace("torch.", "")}
+    c = _Cmp(da, db, allow_cast)
+    if not (c.cast and not allow_cast):
+        for sub in _blocks(full_box(a.shapes[n]), 4, max_memory):
+            c.add(a.read(n, sub), b.read(n, sub))
+    _finish(row, [c], allow_cast)
+    return row
 
 
 def _finish(row, cmps, allow_cast, zeros_ok=True):
@@ -196,29 +215,69 @@ def structure_checks(view) -> tuple[list[tuple[str, bool]], dict | None]:
     return out, loaders
 
 
-def check_one(view, progress: bool = True) -> dict:
+def check_one(view, progress: bool = True, group=None) -> dict:
     """Single-side verify: the checkpoint alone. :func:`structure_checks` and every byte against the
-    integrity manifest when there is one."""
-    probs, loaders = structure_checks(view)
+    integrity manifest when there is one. ``group`` (under torchrun): each rank re-hashes its share of the
+    manifest's ranges (divided by bytes, whole files first), rank 0 runs the structure checks; every rank
+    returns the whole job's report, each problem once."""
+    from .distributed import Solo
+
+    from .views import ERRORS
+
+    g = group or Solo()
+    try:
+        probs, loaders = structure_checks(view) if g.lead_rank else ([], None)
+    except ERRORS as e:
+        if g.world == 1:
+            raise
+        probs, loaders = [(str(e), True)], None
     problems, notes = [p for p, _ in probs], []
     man, bad = _manifest(view.path)
-    problems += bad
+    problems += bad if g.lead_rank else []
     checked = 0
     if man is None:
         notes.append(f"no manifest: data not checked ({MANIFEST} absent)")
     else:
+        share = _share(man, g)
         bar = None
-        if progress:
+        if progress and g.lead_rank:
             from tqdm import tqdm
 
-            bar = tqdm(total=sum(e["size"] for e in man["files"].values()), unit="B", unit_scale=True, desc="checksums")
-        probs, checked = check_manifest(view.path, man, bar.update if bar is not None else None)
+            bar = tqdm(total=sum(r[1] for e in share["files"].values() for r in e["ranges"]), unit="B",
+                       unit_scale=True, desc="checksums")
+        try:
+            probs, checked = check_manifest(view.path, share, bar.update if bar is not None else None)
+        except (OSError, *ERRORS) as e:  # a file that cannot be read: this rank's problem, in the one report
+            if g.world == 1:
+                raise
+            probs, checked = [f"rank {g.rank}: {e}"], 0
         if bar is not None:
             bar.close()
+        if g.world > 1:
+            parts = g.gather({"problems": probs, "checked": checked}, "the end of the checksums")
+            probs = list(dict.fromkeys(p for part in parts for p in part["problems"]))  # a file's size: once
+            checked = sum(part["checked"] for part in parts)
         problems += probs
-        notes.append(f"manifest: {len(man['files'])} files, {checked} bytes checked ({man['algorithm']})")
+        notes.append(f"manifest: {len(man['files'])} files, {checked} bytes checked ({man['algorithm']})"
+                     + (f" by {g.world} ranks" if g.world > 1 else ""))
     return {"ok": not problems, "path": view.path, "kind": view.kind, "problems": problems, "notes": notes,
             "manifest": man is not None, "checked_bytes": checked, "loaders": loaders}
+
+
+def _share(man: dict, g) -> dict:
+    """The part of manifest ``man`` rank ``g.rank`` re-hashes (all of it for one process)."""
+    if g.world == 1:
+        return man
+    from .distributed import divide
+
+    ranges = [(rel, r) for rel, e in man["files"].items() for r in e["ranges"]]
+    owner = divide([(rel, r[1]) for rel, r in ranges], g.world)
+    files: dict = {rel: {"size": e["size"], "ranges": []} for rel, e in man["files"].items()
+                   if not e["ranges"] and g.lead_rank}  # an empty file: its presence is rank 0's to check
+    for (rel, r), o in zip(ranges, owner):
+        if o == g.rank:
+            files.setdefault(rel, {"size": man["files"][rel]["size"], "ranges": []})["ranges"].append(r)
+    return {**man, "files": files}
 
 
 def _manifest(root: str):

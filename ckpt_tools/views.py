@@ -14,12 +14,11 @@ from .errors import InputError
 from .fsutil import read_json
 from .hf import HFError, HFReader
 from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
-from .mapping import MegatronLayout, VllmLayout, hf_shapes
+from .mapping import SPECS, MegatronLayout, VllmLayout, hf_shapes
 from .model_config import ModelConfig, load_config
-from .torch_dist import DistCkptError, TorchDistReader
-
-VLLM_META = "vllm_layout.json"
-
+from .torch_dist import DistCkptError
+from .torch_dist_reader import TorchDistReader
+from .vllm_format import VLLM_META, vllm_shard_files
 
 class FormatError(InputError):
     pass
@@ -94,9 +93,6 @@ def detect_spec(keys, prefix: str) -> str:
     """Weight-name spec: ``te`` names (TE and MindSpeed loaders) or ``local``. Which loaders' _extra_state
     objects are present is a separate question: :meth:`McoreView.loaders`."""
     return "te" if any(k == prefix + "decoder.layers.pre_mlp_layernorm.weight" for k in keys) else "local"
-
-
-LOADERS = ("te", "local", "mindspeed")  # mapping.SPECS: what McoreView.loaders() reports on
 
 
 class McoreView:
@@ -194,7 +190,7 @@ class McoreView:
         roots = {k[len(p):].split(".")[0] for k in self.layout.tensors}  # embedding, decoder, output_layer
         stored = {o for o in self.ckpt.objects if o.startswith(p) and o[len(p):].split(".")[0] in roots}
         out = {}
-        for spec in LOADERS:
+        for spec in SPECS:  # every loader spec we write
             lay = MegatronLayout(self.cfg, spec, None, prefix=p)
             miss = [k for k in lay.tensors if k not in self.ckpt.tensors]
             want = {lay.object_dcp_key(k, s, o) for k, s, o in lay.objects}
@@ -233,21 +229,6 @@ def format_loaders(rep: dict) -> str:
         else:
             parts.append(f"{spec}: no ({r['missing']} objects missing, e.g. {r['first_missing']})")
     return ", ".join(parts)
-
-
-def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int, str]:
-    """Global rank (dp_rank * tp + tp_rank) -> file (relative to the output dir) holding its parameters.
-
-    vLLM's ShardedStateLoader names files by TP rank only (converters/vllm_names.py), so ranks of different DP
-    engines share a file unless ``dp_dirs`` (DP x expert parallel: their experts differ), which gives DP rank k
-    the directory ``dp_k``."""
-    from converters.vllm_names import file_name
-
-    out = {}
-    for r in range(par.world):
-        fn = file_name(names, r % par.tp)
-        out[r] = os.path.join(f"dp_{r // par.tp}", fn) if dp_dirs else fn
-    return out
 
 
 class VllmView:

@@ -19,6 +19,7 @@ from ckpt_tools.errors import EXIT_CODES
 from ckpt_tools.integrity import MANIFEST
 from test_trust_fs import ROOT, _cli, _cli_sub, _one_line, _start_held, _tree
 from test_trust_fs import test_sigterm_and_sighup_remove_the_partial_output as _signal_row
+from test_distributed import test_a_killed_rank_stops_the_others_and_nothing_is_published as _peer_row
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +331,8 @@ def _row_3(tiny_hf, mc, tmp_path, capsys):
 @pytest.mark.parametrize("code", [c for c, _ in EXIT_CODES])
 def test_exit_code_row(code, tiny_hf, mc, tmp_path, capsys, monkeypatch):
     """One scenario per row of the table (ENOSPC and EROFS: test_trust_fs.py, and the full-disk test above)."""
-    rows = {0: _row_0, 1: _row_1, 2: lambda *a: _row_2(*a, monkeypatch), 3: _row_3}
+    rows = {0: _row_0, 1: _row_1, 2: lambda *a: _row_2(*a, monkeypatch), 3: _row_3,
+            4: lambda tiny_hf, mc, tmp_path, capsys: _peer_row(tiny_hf, tmp_path)}
     if code >= 128:
         _signal_row(tiny_hf, tmp_path, signal.Signals(code - 128))
     else:

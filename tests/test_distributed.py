@@ -1,0 +1,193 @@
+"""Conversion and verify under torchrun (ckpt_tools.distributed): every rank writes or checks its share.
+
+The outputs of 4 ranks are byte-identical to one process's, for every direction; a rank killed mid-run stops
+the others with one line naming it and nothing is published; a rank started with other flags is refused before
+any byte; a distributed verify reports a flipped byte once. The ranks run on this machine (gloo is not even
+needed: coordination goes over the job's torch.distributed store, the data through the file system)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HERE, ROOT, free_port
+from ckpt_tools.distributed import divide
+
+TOPO = ["--pp", "2", "--tp", "2", "--ep", "2"]
+QUIET = ["--no-progress", "--dist-timeout", "120"]
+
+
+def _env(**kw):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CKPT_TOOLS_TEST_HOLD"):
+        env.pop(k, None)
+    env.update(kw)
+    return env
+
+
+def _cli(args):
+    from ckpt_tools.cli import main
+
+    assert main(args) == 0, args
+
+
+def _torchrun(tmp, cmds, n=4):
+    out = os.path.join(str(tmp), f"codes_{free_port()}")
+    os.makedirs(out)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                        "--master-port", str(free_port()), os.path.join(HERE, "dist_commands.py"), json.dumps(cmds),
+                        out], capture_output=True, text=True, env=_env(), timeout=900)
+    codes = {}
+    for fn in os.listdir(out):
+        d = json.load(open(os.path.join(out, fn)))
+        codes[d["rank"]] = d["codes"]
+    assert sorted(codes) == list(range(n)), f"rc {p.returncode}:\n{p.stderr[-6000:]}"
+    return codes, p
+
+
+def _files(d):
+    out = {}
+    for root, _, names in os.walk(d):
+        for fn in names:
+            p = os.path.join(root, fn)
+            out[os.path.relpath(p, d)] = open(p, "rb").read()
+    return out
+
+
+def test_divide_balances_bytes_whole_files_first():
+    # four files of 10 records: whole files, one per rank
+    sizes = [(f"f{i // 10}", 100) for i in range(40)]
+    owner = divide(sizes, 4)
+    assert all(len({owner[i] for i in range(f * 10, f * 10 + 10)}) == 1 for f in range(4))
+    assert sorted(set(owner)) == [0, 1, 2, 3]
+    # one big file: cut at record boundaries into runs of about a fair share
+    owner = divide([("big", 10)] * 40, 4)
+    assert [owner.count(r) for r in range(4)] == [10, 10, 10, 10]
+    assert owner == sorted(owner) or all(owner[i] == owner[i + 1] for i in range(0, 40, 10) for _ in [0])
+    # a big file and small ones: balanced loads
+    sizes = [("big", 600)] + [(f"s{i}", 100) for i in range(6)]
+    loads = [0] * 3
+    for (f, n), r in zip(sizes, divide(sizes, 3)):
+        loads[r] += n
+    assert max(loads) - min(loads) <= 600 and sum(loads) == 1200
+
+
+def test_every_direction_under_torchrun_equals_one_process(tiny_hf_bf16, tmp_path):
+    """hf2mcore, mcore2hf, reshard --to mcore, reshard --to vllm (DP x EP dirs) and both verifies, on 4 ranks."""
+    t = str(tmp_path)
+    one = {k: os.path.join(t, "one_" + k) for k in ("mc", "hf", "mc2", "vl")}
+    four = {k: os.path.join(t, "four_" + k) for k in one}
+
+    def cmds(o):
+        return [["hf2mcore", "--hf", tiny_hf_bf16, "--out", o["mc"], *TOPO, *QUIET],
+                ["mcore2hf", "--mcore", one["mc"], "--hf-config", tiny_hf_bf16, "--out", o["hf"],
+                 "--max-shard-size", "300KB", *QUIET],
+                ["reshard", "--from", one["mc"], "--hf-config", tiny_hf_bf16, "--to", "mcore", "--tp", "1", "--pp", "3",
+                 "--spec", "mindspeed", "--out", o["mc2"], *QUIET],
+                ["reshard", "--from", one["mc"], "--hf-config", tiny_hf_bf16, "--to", "vllm", "--tp", "2", "--ep", "4",
+                 "--out", o["vl"], *QUIET]]
+
+    for c in cmds(one):
+        _cli(c)
+    verifies = [["verify", "--mcore", four["mc"], "--hf-config", tiny_hf_bf16, *QUIET],
+                ["verify", "--hf", four["hf"], *QUIET], ["verify", "--vllm", four["vl"], *QUIET],
+                ["verify", "--hf", tiny_hf_bf16, "--mcore", four["mc2"], *QUIET]]
+    codes, p = _torchrun(tmp_path, cmds(four) + verifies)
+    assert all(c == [0] * 8 for c in codes.values()), (codes, p.stderr[-4000:])
+    for k in one:
+        a, b = _files(one[k]), _files(four[k])
+        assert sorted(a) == sorted(b), k
+        for rel in a:
+            assert a[rel] == b[rel], f"{k}: {rel} differs from the one-process output"
+        assert not [f for f in os.listdir(t) if ".partial-" in f or f.endswith(".lock")]
+    # rank 0 printed each report once (the other ranks print nothing on stdout)
+    assert p.stdout.count("wrote ") == 4 and p.stdout.count("OK: ") == 4, p.stdout
+    assert "by 4 ranks" in p.stdout and "0 differ" in p.stdout
+
+
+def _launch(n, argv_of, port, env_of=lambda r: {}):
+    """``n`` ranks of ``ckpt-tools argv_of(rank)`` started with the torch.distributed environment (no torchrun:
+    the test kills one and watches the others)."""
+    return [subprocess.Popen([sys.executable, "-m", "ckpt_tools.cli", *argv_of(r)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=_env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port), **env_of(r)))
+            for r in range(n)]
+
+
+def test_a_killed_rank_stops_the_others_and_nothing_is_published(tiny_hf_bf16, tmp_path):
+    out = str(tmp_path / "mc")
+    fifo = str(tmp_path / "hold")
+    os.mkfifo(fifo)
+    procs = _launch(4, lambda r: ["hf2mcore", "--hf", tiny_hf_bf16, "--out", out, *TOPO, *QUIET], free_port(),
+                    lambda r: {"CKPT_TOOLS_TEST_HOLD": f"data-written:{fifo}"} if r == 2 else {})
+    with open(fifo, "wb"):  # returns once rank 2 has copied its share and waits at the hold point
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait(timeout=60)
+    res = {r: (p.wait(timeout=300), p.communicate()[1]) for r, p in enumerate(procs) if r != 2}
+    for r, (rc, err) in res.items():
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 4, (r, rc, err)
+        assert len(lines) == 1 and "rank 2 " in lines[0] and "gone" in lines[0], (r, err)
+    assert not os.path.exists(out)
+    assert sorted(os.listdir(tmp_path)) == ["hold"]  # rank 0 removed the staging dir and the lock
+    # the next run (one process) writes it
+    _cli(["hf2mcore", "--hf", tiny_hf_bf16, "--out", out, *TOPO, "--no-progress"])
+    assert sorted(os.listdir(tmp_path)) == ["hold", "mc"]
+
+
+def test_a_rank_started_with_other_flags_is_refused_before_any_byte(tiny_hf_bf16, tmp_path):
+    out = str(tmp_path / "mc")
+    argv = ["hf2mcore", "--hf", tiny_hf_bf16, "--out", out, *TOPO, *QUIET]
+    other = argv[:argv.index("--tp") + 1] + ["1"] + argv[argv.index("--tp") + 2:]
+    procs = _launch(4, lambda r: other if r == 3 else argv, free_port())
+    for r, p in enumerate(procs):
+        rc, err = p.wait(timeout=300), p.communicate()[1]
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 2, (r, rc, err)
+        assert len(lines) == 1 and "rank 3 was started with other arguments than rank 0: '1' instead of '2'" in lines[0], err
+    assert os.listdir(tmp_path) == []  # not even a lock
+
+
+def test_distributed_verify_reports_a_flipped_byte_once(tiny_hf_bf16, tmp_path):
+    mc = str(tmp_path / "mc")
+    _cli(["hf2mcore", "--hf", tiny_hf_bf16, "--out", mc, *TOPO, "--no-progress"])
+    man = json.load(open(os.path.join(mc, "ckpt_tools.manifest.json")))
+    # a byte in the middle of the data of one chunk of the last rank file
+    rel = "__7_0.distcp"
+    off, n, _, what = [r for r in man["files"][rel]["ranges"] if r[3] != "-"][-1]
+    with open(os.path.join(mc, rel), "r+b") as f:
+        f.seek(off + n // 2)
+        b = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    codes, p = _torchrun(tmp_path, [["verify", "--mcore", mc, "--hf-config", tiny_hf_bf16, *QUIET],
+                                    ["verify", "--hf", tiny_hf_bf16, "--mcore", mc, *QUIET]])
+    assert all(c == [1, 1] for c in codes.values()), (codes, p.stderr[-3000:])
+    probs = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBLEM")]
+    # single-side: the manifest's checksum, once; two-sided: the one tensor the byte belongs to, once
+    assert len(probs) == 1 and f"{rel}: bytes {off}..{off + n} ({what}): checksum" in probs[0], p.stdout
+    assert p.stdout.count("FAILED: mcore") == 1 and p.stdout.count("DIFF ") == 1, p.stdout
+    assert "FAILED: 201 tensors compared bitwise, 1 differ" in p.stdout, p.stdout
+
+
+def test_plan_predicts_the_distributed_time(tmp_path, capsys):
+    from ckpt_tools.cli import main
+
+    js = str(tmp_path / "plan.json")
+    argv = ["plan", "--config", "qwen3-235b-a22b", "--pp", "8", "--tp", "4", "--ep", "4",
+            "--num-layers-in-first-pipeline-stage", "11", "--num-layers-in-last-pipeline-stage", "11", "--json", js]
+    assert main(argv + ["--nodes", "16", "--procs-per-node", "8", "--fs-gbps", "40", "--node-gbps", "25"]) == 0
+    d = json.load(open(js))["distributed"]
+    b = d["bounds_seconds"]
+    nbytes = json.load(open(js))["bytes"]
+    assert b["shared file system"] == pytest.approx(2 * nbytes / 40e9)
+    assert b["node links"] == pytest.approx(nbytes / 16 / 25e9)
+    assert d["bounded_by"] == "shared file system" and d["ranks"] == 128
+    assert d["predicted_seconds"] < d["one_process_seconds"] / 10
+    assert "under torchrun on 16 nodes x 8 ranks" in capsys.readouterr().out
+    assert main(argv + ["--nodes", "0"]) == 2
