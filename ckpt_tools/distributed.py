@@ -33,6 +33,7 @@ import threading
 import time
 
 from .errors import InputError, PeerFailed
+from .fsutil import boot_id as _boot_id
 
 BEAT = 0.5  # seconds between heartbeats
 TIMEOUT = 300.0  # the default of --dist-timeout (cli.main sets the flag's value here)
@@ -305,14 +306,6 @@ def _diff(a, b) -> str:
                 return f"{x!r} instead of {y!r}"
         return f"{len(a)} arguments instead of {len(b)}"
     return f"{a!r} instead of {b!r}"
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def join(timeout: float | None = None) -> Group | None:

@@ -194,7 +194,7 @@ def _start_time(pid) -> int | None:
     return int(data.rsplit(b")", 1)[1].split()[19])
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -206,7 +206,7 @@ def _identity(out: str, what: str) -> bytes:
     """The record proving that this process created a file or directory: pid, host, boot id and the
     process's start time (a reused pid has another start time)."""
     return json.dumps({"tool": _TOOL, "what": what, "out": os.path.basename(out), "pid": os.getpid(),
-                       "host": socket.gethostname(), "boot_id": _boot_id(), "start": _start_time("self")}).encode()
+                       "host": socket.gethostname(), "boot_id": boot_id(), "start": _start_time("self")}).encode()
 
 
 def _parse_record(raw: bytes, out: str) -> dict | None:
@@ -237,7 +237,7 @@ def _owner_alive(rec: dict) -> bool | None:
     """Is the process that wrote ``rec`` still running? None: it ran on another host (cannot tell)."""
     if rec["host"] != socket.gethostname():
         return None
-    if rec.get("boot_id") and _boot_id() and rec["boot_id"] != _boot_id():
+    if rec.get("boot_id") and boot_id() and rec["boot_id"] != boot_id():
         return False  # rebooted since
     start = _start_time(rec["pid"])
     return start is not None and start == rec.get("start")
