@@ -54,6 +54,19 @@ def world() -> tuple[int, int]:
     return (r, n) if n > 1 else (0, 1)
 
 
+def divide_in_order(sizes: list, nranks: int) -> list[int]:
+    """The rank of each item, ``sizes`` being (file, bytes) in processing order: contiguous runs of about
+    total / ranks bytes, rank 0 first. The processing order is the source's order, so each rank reads its own
+    region of the source once (a column slice under tensor parallelism stages its source rows: split by
+    destination file, every TP rank's file would read them again), and writes its records wherever they are."""
+    total = sum(n for _, n in sizes)
+    out, done = [], 0
+    for _, n in sizes:
+        out.append(min(nranks - 1, (2 * done + n) * nranks // (2 * max(1, total))))
+        done += n
+    return out
+
+
 def divide(sizes: list, nranks: int) -> list[int]:
     """The rank of each item, ``sizes`` being (file, bytes) in processing order: every file's items go to one
     rank while the file fits in a fair share (total / ranks); a larger file is cut, at item boundaries, into

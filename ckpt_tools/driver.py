@@ -101,7 +101,7 @@ def convert(job: Job, opts: Options, error=ValueError) -> tuple[object, Destinat
 
 
 def _convert(g, job: Job, opts: Options, error):
-    from .distributed import divide, fingerprint
+    from .distributed import divide, divide_in_order, fingerprint
     from .verify import checked_source
 
     check_out(job.out, job.kind, opts.overwrite, job.inputs, error)  # before any work
@@ -114,7 +114,8 @@ def _convert(g, job: Job, opts: Options, error):
     tmp = g.lead(lambda: staging(job.out, opts.overwrite, error, kind=job.kind, inputs=job.inputs), "staging")
     t0 = time.time()
     items = list(dest.items(tmp))
-    owner = divide([(rec.path, rec.nbytes) for rec, _ in items], g.world)
+    owner = (divide_in_order if os.environ.get("CKPT_TOOLS_DIVIDE") == "source" else divide)(
+        [(rec.path, rec.nbytes) for rec, _ in items], g.world)
     share = [it for it, r in zip(items, owner) if r == g.rank]
     mine = sum(rec.nbytes for rec, _ in share)
     label = job.label if g.world == 1 else f"{job.label} (rank 0 of {g.world})"

@@ -3,6 +3,13 @@
 
     python scripts/bench.py                        # headline: 3 and 6 GB models, 3 alternating repeats
     python scripts/bench.py --quick                # ~1 GB, one repeat, no baseline: a smoke run
+    python scripts/bench.py --distributed          # 3 GB: hf2mcore, mcore2hf, verify on 1, 2 and 4 processes
+
+``--procs 1 2 4`` runs every step that can (hf2mcore, mcore2hf, reshard, verify) also under ``torchrun
+--nproc-per-node N`` (ckpt_tools.distributed: every rank writes its share) and prints each one's time as a
+ratio to the same step on one process, paired within each repeat. On one machine with one disk the gain is
+bounded by that disk and its 2 cores; the point is that it does not lose, and that it scales where the
+storage does (``ckpt-tools plan --nodes``).
 
 Models are synthetic Qwen3-MoE checkpoints (bf16) generated locally. ``--shape 235b`` (default) keeps
 Qwen3-235B-A22B's per-layer widths (hidden 4096, 64 q / 4 kv heads of 128, moe_intermediate 1536) with 8
@@ -216,6 +223,25 @@ def _table(rows, out=print):
     return summary
 
 
+def _procs_table(rows, out=print):
+    """Each ``x N procs`` step against the same step on one process: median time, and the median over repeats
+    of one process's time / N processes' time in the same repeat."""
+    out("")
+    out(f"{'size GB':>7} {'step':<30} {'procs':>5} {'median s':>8} {'vs 1 proc':>9} {'paired':>6}")
+    for gb in sorted({r["size_gb"] for r in rows}):
+        here = [r for r in rows if r["size_gb"] == gb]
+        for base in dict.fromkeys(r["step"] for r in here if " procs" not in r["step"] and r["step"] != "cp -r"):
+            one = {r["repeat"]: r["seconds"] for r in here if r["step"] == base}
+            for step in [base] + sorted({r["step"] for r in here if r["step"].startswith(base + " x")},
+                                        key=lambda x: int(x.split(" x")[-1].split()[0])):
+                rs = [r for r in here if r["step"] == step]
+                n = int(step.split(" x")[-1].split()[0]) if step != base else 1
+                med = statistics.median(r["seconds"] for r in rs)
+                paired = statistics.median(one[r["repeat"]] / r["seconds"] for r in rs)
+                out(f"{gb:>7.2f} {base:<30} {n:>5} {med:>8.2f} {statistics.median(one.values()) / med:>9.2f} "
+                    f"{paired:>6.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, nargs="+", default=[3.0, 6.0], help="model sizes (GB of bf16; default 3 6)")
@@ -226,7 +252,11 @@ def main():
     ap.add_argument("--max-memory", default="4GiB", help="--max-memory of each ckpt-tools step (default 4GiB)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating repeats per size (default 3)")
     ap.add_argument("--steps", default="cp,hf2mcore,mcore2hf,reshard,baseline",
-                    help="comma-separated subset of cp,hf2mcore,mcore2hf,reshard,baseline")
+                    help="comma-separated subset of cp,hf2mcore,mcore2hf,reshard,verify,baseline")
+    ap.add_argument("--procs", type=int, nargs="+", default=[1],
+                    help="process counts: each step also under torchrun with that many processes (default 1)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="the distributed row: --size-gb 3 --procs 1 2 4 --steps hf2mcore,mcore2hf,verify, no baseline")
     ap.add_argument("--no-baseline", action="store_true", help="skip the megatron-model baseline")
     ap.add_argument("--extra", default="", help="extra flags for every ckpt-tools step (e.g. --no-readahead)")
     ap.add_argument("--json", default=None, help="write rows and summary here")
@@ -234,6 +264,8 @@ def main():
     sizes = args.size_gb
     if args.quick:
         sizes, args.repeats, args.no_baseline = [1.0], 1, True
+    if args.distributed:
+        sizes, args.procs, args.steps, args.no_baseline = [3.0], [1, 2, 4], "hf2mcore,mcore2hf,verify", True
     want = set(args.steps.split(","))
     if args.no_baseline:
         want.discard("baseline")
@@ -260,12 +292,20 @@ def main():
                                              "--out", out("back")] + io, out("back")),
             ("reshard", "reshard vllm tp8", tool + ["reshard", "--from", out("mcore"), "--hf-config", hf,
                                                     "--tp", "8", "--out", out("vllm")] + io, out("vllm")),
+            ("verify", "verify hf vs mcore", tool + ["verify", "--hf", hf, "--mcore", out("mcore"), "--no-progress",
+                                                     "--max-memory", args.max_memory], None),
         ]
+        for n in sorted(set(args.procs) - {1}):  # the same steps under torchrun, their own outputs
+            run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "ckpt_tools.cli"]
+            for key, name, cmd, o in list(steps[1:]):
+                if key in want:
+                    o2 = o and o + f"_p{n}"
+                    steps.append((key, f"{name} x{n} procs", run + [o2 if a == o else a for a in cmd[3:]], o2))
         if "baseline" in want:
             code = BASELINE % dict(root=ROOT, hf=hf, out=out("baseline"), port=29700)
             steps.append(("baseline", "baseline: megatron model+save", [sys.executable, "-c", code], out("baseline")))
         steps = [x for x in steps if x[0] in want]
-        if ("mcore2hf" in want or "reshard" in want) and not os.path.isfile(os.path.join(out("mcore"), ".metadata")):
+        if ("mcore2hf" in want or "reshard" in want or "verify" in want) and not os.path.isfile(os.path.join(out("mcore"), ".metadata")):
             subprocess.run(tool + ["hf2mcore", "--hf", hf, "--out", out("mcore"), "--tp", "4", "--ep", "4",
                                    "--no-progress", "--overwrite"], check=True, stdout=subprocess.DEVNULL)
         for rep in range(args.repeats):
@@ -276,7 +316,8 @@ def main():
             mult = rep + 1 if math.gcd(rep + 1, n) == 1 else 1
             order = [steps[(rep + i * mult) % n] for i in range(n)]
             for key, name, cmd, o in order:
-                shutil.rmtree(o, ignore_errors=True)
+                if o:
+                    shutil.rmtree(o, ignore_errors=True)
                 dropped = drop_caches()
                 r = run_step(cmd)
                 r.update(step=name, size_gb=round(nbytes / 1e9, 3), bytes=nbytes, cache_dropped=dropped, repeat=rep)
@@ -285,12 +326,14 @@ def main():
                 print(f"{nbytes / 1e9:5.2f} GB rep {rep} {name:<30} {r['seconds']:7.2f} s (sync {r['sync_seconds']:.2f})"
                       f"  {r['gbps']:6.3f} GB/s  peak RSS {r['peak_rss'] / 2**30:5.2f} GiB "
                       f"(anon {r['peak_rss_anon'] / 2**30:5.2f})", flush=True)
-                if key != "hf2mcore":  # hf2mcore's output is the next steps' input
+                if o and o != out("mcore"):  # hf2mcore's output is the next steps' input
                     shutil.rmtree(o, ignore_errors=True)
         for o in ("cp", "back", "vllm", "baseline"):
             shutil.rmtree(out(o), ignore_errors=True)
     print()
     summary = _table(rows)
+    if len(args.procs) > 1:
+        _procs_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "summary": summary, "args": vars(args)}, f, indent=1)
