@@ -23,13 +23,14 @@ WHAT IS REAL AND WHAT IS NOT (read before quoting numbers):
 * The transport is the library's own, unchanged: ``sync_weights`` / ``sync_weights_gather_all`` over
   ``torch.distributed`` (gloo).
 * The actor side is NOT a megatron-core GPTModel: each rank holds synthetic tensors (deterministic random
-  bf16) shaped exactly as the local data of megatron-core's ``sharded_state_dict()`` at that topology - real
+  bf16, ``ckpt_tools.testing.FakeActor``, the one tests/sync_worker.py uses) shaped exactly as the local data of
+  megatron-core's ``sharded_state_dict()`` at that topology - real
   ``megatron.core.dist_checkpointing.mapping.ShardedTensor`` objects (key, local tensor, global offset /
   shape, prepended layer / expert axes) for every chunk that rank's live model holds (DP replicas included),
   built from ckpt_tools' Megatron layout (``MegatronLayout.chunks()``). The library reads them with
   megatron's own ``apply_factories`` / ``nested_values`` as it does for a GPTModel.
-* The receiving side is NOT vLLM: a receiver object whose ``load_weights(iter of (hf_name, tensor))`` does for
-  each parameter what vLLM's loaders do (slice the HF tensor by the vLLM layout - ``VllmLayout``, the rules
+* The receiving side is NOT vLLM: a receiver object (``ckpt_tools.testing.LayoutReceiver``, as in the tests)
+  whose ``load_weights(iter of (hf_name, tensor))`` does for each parameter what vLLM's loaders do (slice the HF tensor by the vLLM layout - ``VllmLayout``, the rules
   read from vLLM's qkv / row / merged-column / vocab / FusedMoE weight loaders - and copy into that rank's
   parameter). Starting 8 real in-process vLLM engines costs more than the whole quick budget on 2 cores; the
   real-vLLM equivalence of this delivery is covered by the library's end-to-end tests (tests/test_sync.py),
@@ -93,37 +94,6 @@ class _Peak:
         return max(self.peak, _rss())
 
 
-def _seed(key, box):
-    import zlib
-
-    return zlib.crc32(repr((key, box)).encode())
-
-
-class SyntheticActor:
-    """Megatron side: real megatron-core ShardedTensor objects, local data shaped as the live model's."""
-
-    def __init__(self, schedule, rank, dtype):
-        import torch
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        lay = schedule.mlayout
-        self.sd = {}
-        for c in lay.chunks():
-            if rank not in [schedule.actor_ranks[h] for h in c.holders]:
-                continue
-            n = lay.nlead(c.key)
-            shape = tuple(b - a for a, b in c.box[n:])
-            g = torch.Generator().manual_seed(_seed(c.key, c.box))
-            data = (torch.randn(shape, generator=g) * 0.02).to(dtype)
-            gshape = lay.tensors[c.key].shape
-            self.sd[f"{c.key}@{c.box}"] = ShardedTensor(
-                c.key, data, dtype, tuple(data.shape), tuple(gshape), tuple(a for a, _ in c.box),
-                tuple(1 for _ in gshape), 0, n)
-
-    def sharded_state_dict(self):
-        return dict(self.sd)
-
-
 def _worker(rank, world, init, args, q):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -131,13 +101,13 @@ def _worker(rank, world, init, args, q):
 
     torch.set_num_threads(1)
     from ckpt_tools.sync import sync_weights, sync_weights_gather_all
-    from ckpt_tools.testing import LayoutReceiver
+    from ckpt_tools.testing import FakeActor, LayoutReceiver
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         sched = _schedule(args)
         dtype = sched.dtype
-        actor = SyntheticActor(sched, rank, dtype) if rank in sched.actor_ranks else None
+        actor = FakeActor(sched, rank, dtype) if rank in sched.actor_ranks else None
         local = sched.rollout_ranks.index(rank) % sched.vpar.world if rank in sched.rollout_ranks else None
         recv = LayoutReceiver(sched, local, dtype) if local is not None else None
         peak = _Peak()

@@ -1,6 +1,5 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,11 +11,7 @@ HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ckpt_tools.testing import free_port  # noqa: E402
 
 
 def run_ranks(worker: str, tmp, timeout=600, expect=None, **kw):

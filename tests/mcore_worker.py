@@ -20,7 +20,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -55,6 +54,10 @@ def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts
         return torch.cat([q, k, v], dim=1).reshape(-1, H).chunk(tp)[tp_rank]
     if rest == "self_attention.linear_proj.weight":
         return hf(p + "self_attn.o_proj.weight").chunk(tp, dim=1)[tp_rank]
+    if rest == "mlp.linear_fc1.weight":  # dense MLP: split over TP as the experts' over ETP
+        return torch.cat([hf(p + "mlp.gate_proj.weight").chunk(tp)[tp_rank], hf(p + "mlp.up_proj.weight").chunk(tp)[tp_rank]])
+    if rest == "mlp.linear_fc2.weight":
+        return hf(p + "mlp.down_proj.weight").chunk(tp, dim=1)[tp_rank]
     if rest == "mlp.router.weight":
         return hf(p + "mlp.gate.weight")
     if rest.startswith("mlp.experts.local_experts."):
@@ -65,6 +68,15 @@ def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts
         if rest.endswith("linear_fc2.weight"):
             return hf(q + "down_proj.weight").chunk(etp, dim=1)[etp_rank]
     raise KeyError(name)
+
+
+def fill_reference(model, hf, cfg, ranks, layer_offset, num_local_experts):
+    """Copy the HF tensors into every local parameter of ``model`` with :func:`reference_local_tensor`."""
+    with torch.no_grad():
+        for n, prm in model.named_parameters():
+            want = reference_local_tensor(n, hf, cfg, ranks, layer_offset, num_local_experts)
+            assert want.shape == prm.shape, (n, want.shape, prm.shape)
+            prm.copy_(want)
 
 
 TE_ONLY_LAYER_OBJECTS = ["self_attention.core_attention", "self_attention.q_layernorm",
@@ -124,69 +136,24 @@ def ask_as(model, as_, last_stage):
 
 def run(rank, world, a):
     from ckpt_tools import _mcore_cpu
+    from ckpt_tools.testing import hf_files
+    from ckpt_tools.testing.megatron import build_gpt_model
 
     if a.get("dump_after"):  # debugging a hang: every rank prints its stack after this many seconds
         import faulthandler
 
         faulthandler.dump_traceback_later(a["dump_after"], exit=True)
     _mcore_cpu.init_process(rank, world, a["port"])
-    _mcore_cpu.allow_tp_ep_without_sp()
-    import megatron.core.tensor_parallel as tpar
-    import contextlib
-
-    class _NoRng:  # dropout is 0: megatron's CUDA RNG tracker is not needed on CPU
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-
-    tpar.get_cuda_rng_tracker = lambda *a, **k: _NoRng()
-    tpar.random.get_cuda_rng_tracker = tpar.get_cuda_rng_tracker
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    from safetensors import safe_open
 
-    tp, pp, ep, etp = a["tp"], a["pp"], a["ep"], a.get("etp") or a["tp"]
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    pp = a["pp"]
     cfg = json.load(open(os.path.join(a["hf"], "config.json")))
-    E = cfg.get("num_experts") or cfg.get("num_local_experts")
-    tc = TransformerConfig(
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
-        num_query_groups=cfg["num_key_value_heads"], kv_channels=cfg["head_dim"], ffn_hidden_size=cfg["intermediate_size"],
-        moe_ffn_hidden_size=cfg["moe_intermediate_size"], num_moe_experts=E, moe_router_topk=cfg["num_experts_per_tok"],
-        moe_router_load_balancing_type="none", moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
-        normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=False, layernorm_epsilon=cfg["rms_norm_eps"],
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=a.get("first"),
-        num_layers_in_last_pipeline_stage=a.get("last"), hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True)
-    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
-    model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=cfg["vocab_size"],
-                     max_sequence_length=cfg["max_position_embeddings"], pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", rotary_base=int(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
-    model.eval()
-    ranks = (tp, ps.get_tensor_model_parallel_rank(), etp, ps.get_expert_tensor_parallel_rank(),
-             ps.get_expert_model_parallel_rank())
-    offset = get_transformer_layer_offset(tc)
-    nle = E // ep
-    idx = json.load(open(os.path.join(a["hf"], "model.safetensors.index.json")))["weight_map"]
-    handles = {}
-
-    def hf(n):
-        fn = idx[n]
-        if fn not in handles:
-            handles[fn] = safe_open(os.path.join(a["hf"], fn), framework="pt")
-        return handles[fn].get_tensor(n)
+    model, ranks, offset, nle = build_gpt_model(cfg, a["tp"], pp, a["ep"], a.get("etp"), a.get("first"), a.get("last"))
+    hf, _ = hf_files(a["hf"])
 
     res = {"rank": rank, "pp_rank": ps.get_pipeline_model_parallel_rank(), "offset": offset}
     if a.get("keys_out"):
@@ -202,9 +169,7 @@ def run(rank, world, a):
                               list(v.replica_id) if isinstance(v.replica_id, tuple) else [v.replica_id]])
         res["keys"] = items
     if a.get("save"):
-        with torch.no_grad():
-            for n, prm in model.named_parameters():
-                prm.copy_(reference_local_tensor(n, hf, cfg, ranks, offset, nle))
+        fill_reference(model, hf, cfg, ranks, offset, nle)
         dist_checkpointing.save(model.sharded_state_dict(), a["save"])
     def sentinel():
         with torch.no_grad():

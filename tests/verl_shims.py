@@ -103,19 +103,9 @@ def before_imports() -> None:
     # sequence parallelism; with it off, megatron refuses TP > 1 with EP > 1: lift that one check (the weights
     # and their sharding do not depend on sequence parallelism).
     _mcore_cpu.allow_tp_ep_without_sp()
-    import contextlib
+    from ckpt_tools.testing.megatron import no_cuda_rng
 
-    import megatron.core.tensor_parallel as tpar
-
-    class _NoRng:
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-
-        def add(self, *a, **k):
-            pass
-
-    tpar.get_cuda_rng_tracker = lambda *a, **k: _NoRng()
-    tpar.random.get_cuda_rng_tracker = tpar.get_cuda_rng_tracker
+    no_cuda_rng()
 
 
 class CpuDevice:

@@ -39,11 +39,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
-            "RAY_USAGE_STATS_ENABLED": "0", "VERL_LOGGING_LEVEL": "WARN"}
-
 OUR_MODULE = "ckpt_tools.integrations.verl"
 
 
@@ -86,15 +81,6 @@ def _offloaded(actor):
     return all(b.param_data.storage().size() == 0 for m in actor for b in m.buffers + m.expert_parallel_buffers)
 
 
-def _generate(llm, prompts, n):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    return [list(r.outputs[0].token_ids) for r in res]
-
-
 def _fill_actor(actor):
     """Deterministic, distinctive actor weights (stand-in for a trained step): every local element random, norms
     around 1 - so a misplaced row, head, expert or shard cannot give the same vLLM parameter."""
@@ -115,8 +101,9 @@ def _fill_actor(actor):
 
 
 def run(rank, world, a):
-    os.environ.update(VLLM_ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
+    from ckpt_tools.testing.vllm import rank_env
+
+    os.environ.update(rank_env(rank, world, a["port"]))
     os.environ["CKPT_TOOLS_SYNC"] = "verl"
     res = {"rank": rank, "t": {}}
     t0 = time.time()
@@ -200,13 +187,15 @@ def _run(rank, world, a, res, mark):
 
     # ---- rollout: verl's vLLMRollout builds LLM(...) like this (vllm_rollout_spmd.py), dummy weights
     from torch.distributed.device_mesh import init_device_mesh
-    from vllm import LLM
+
+    from ckpt_tools.testing.vllm import generate, start_llm
 
     infer_tp = a["infer_tp"]
-    llm = LLM(model=a["hf"], tensor_parallel_size=infer_tp, distributed_executor_backend="external_launcher",
-              dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.5, disable_custom_all_reduce=True,
-              skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2, load_format="dummy", seed=0,
-              enable_expert_parallel=a.get("vllm_ep", False))
+    # verl passes external_launcher, disable_custom_all_reduce and its rollout config's dtype, enforce_eager,
+    # gpu_memory_utilization, load_format and seed (start_llm: eager, 0.5, seed 0); skip_tokenizer_init (token-id
+    # prompts), max_model_len 64 and max_num_seqs 2 are this test's
+    llm = start_llm(a["hf"], infer_tp, expert_parallel=a.get("vllm_ep", False), dtype="bfloat16",
+                    disable_custom_all_reduce=True, load_format="dummy")
     mark("vllm")
     mesh = init_device_mesh("cpu", mesh_shape=(world // infer_tp, infer_tp), mesh_dim_names=["dp", "infer_tp"])
     rollout_config = OmegaConf.create(dict(name="vllm", mode="sync", tensor_model_parallel_size=infer_tp,
@@ -236,7 +225,7 @@ def _run(rank, world, a, res, mark):
     with mgr:
         ref = _snapshot(vm)
         if prompts:
-            res["tokens_verl"] = _generate(llm, prompts, max_tokens)
+            res["tokens_verl"] = generate(llm, prompts, max_tokens)
     res["verl_offloaded_after"] = _offloaded(actor)
     res["verl_unchanged_vs_dummy"] = len(dummy) - len(_bitwise_diff(dummy, ref))
     res["verl_nan"] = _nan_params(vm)
@@ -255,7 +244,7 @@ def _run(rank, world, a, res, mark):
     with mgr:
         ours = _snapshot(vm)
         if prompts:
-            res["tokens_ours"] = _generate(llm, prompts, max_tokens)
+            res["tokens_ours"] = generate(llm, prompts, max_tokens)
     res["ours_offloaded_after"] = _offloaded(actor)
     res["ours_diff"] = _bitwise_diff(ref, ours)
     res["ours_nan"] = _nan_params(vm)

