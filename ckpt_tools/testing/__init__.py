@@ -1,4 +1,5 @@
-"""Test and benchmark support (not used by the product): stand-ins shared by tests/ and scripts/bench_sync.py.
+"""Test and benchmark support: stand-ins shared by tests/ and scripts/bench_sync.py (the product uses only
+:func:`baselines.gather_all_figures`, for the comparison column of ``plan --sync``).
 
 * :class:`LayoutReceiver` - a vLLM model stand-in: its parameters are laid out per vLLM rank by
   :class:`~ckpt_tools.mapping.VllmLayout` (the rules read from vLLM's weight loaders) and its ``load_weights``
@@ -7,6 +8,8 @@
   ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down.
 The real-vLLM equivalence of this delivery is covered by tests/test_sync.py and tests/test_verl_sync.py.
 * :func:`spawn_ranks` - the ``__main__`` of the test workers: one spawned process per rank.
+* :mod:`ckpt_tools.testing.baselines` - the verl-style gather-all weight sync (run and cost model), the
+  baseline the benchmark and ``plan --sync`` compare against.
 """
 from __future__ import annotations
 
