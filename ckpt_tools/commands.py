@@ -30,8 +30,8 @@ def _plan_sync(args, cfg, par, vp, p):
     import torch
 
     from .layout import LayoutError
-    from .plan import INTER_GBPS, INTRA_GBPS, LATENCY_US, fmt_bytes, plan_sync
     from .sync import SyncSchedule
+    from .sync_cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync
 
     reps = args.rollout_replicas
     if reps is None:

@@ -6,7 +6,7 @@ Every weight of a model is identified by its HF tensor (``model.layers.3.self_at
 Every other layout (a Megatron dist-checkpoint key's *global* tensor, a vLLM rank-local parameter) is
 described by :class:`Segment` s: a bijection between a box of an HF tensor and a box of equal extent in
 the other tensor (which may carry extra leading point axes: Megatron's prepended layer / expert axes,
-vLLM's local expert axis).  Every direction (hf2mcore, mcore2hf, reshard, verify, SyncPlan) is built
+vLLM's local expert axis).  Every direction (hf2mcore, mcore2hf, reshard, verify, SyncSchedule) is built
 from intersections of such boxes, so there is one place where a transform is defined: the converter's
 mapping table, turned into segments by :mod:`ckpt_tools.mapping`.
 """

@@ -100,8 +100,14 @@ def _worker(rank, world, init, args, q):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+<<<<<<< HEAD
     from ckpt_tools.sync import sync_weights, sync_weights_gather_all
     from ckpt_tools.testing import FakeActor, LayoutReceiver
+=======
+    from ckpt_tools.sync import sync_weights
+    from ckpt_tools.testing.baselines import sync_weights_gather_all
+    from ckpt_tools.testing import LayoutReceiver
+>>>>>>> i19b
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

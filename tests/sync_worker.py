@@ -62,8 +62,9 @@ def run_fake(rank, world, a):
     from ckpt_tools.layout import MegatronParallel, VllmParallel
     from ckpt_tools.model_config import config_from_dict
     from ckpt_tools.synth import TINY
-    from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights, sync_weights_gather_all
+    from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
     from ckpt_tools.testing import FakeActor, LayoutReceiver, hf_tensor
+    from ckpt_tools.testing.baselines import sync_weights_gather_all
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -201,7 +202,8 @@ def run_real(rank, world, a):
         os._exit(0)
     from ckpt_tools.layout import MegatronParallel, VllmParallel
     from ckpt_tools.model_config import load_config
-    from ckpt_tools.sync import SyncSchedule, sync_weights, sync_weights_gather_all
+    from ckpt_tools.sync import SyncSchedule, sync_weights
+    from ckpt_tools.testing.baselines import sync_weights_gather_all
     from ckpt_tools.testing.megatron import build_gpt_model
 
     llm = start_llm(a["hf_a"], **vllm_kw)  # vLLM first: it creates the default (gloo) group via env://

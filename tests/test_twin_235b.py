@@ -9,9 +9,9 @@ from safetensors import safe_open
 
 from ckpt_tools import convert
 from ckpt_tools.layout import VllmParallel
-from ckpt_tools.mapping import MegatronLayout, VllmLayout
+from ckpt_tools.mapping import MegatronLayout
 from ckpt_tools.model_config import load_config
-from ckpt_tools.syncplan import MegatronSource, SyncPlan
+from ckpt_tools.sync import SyncSchedule
 from ckpt_tools.views import HFView, McoreView, VllmView
 from ckpt_tools.verify import verify
 
@@ -157,19 +157,20 @@ def test_twin_vllm_tp8_shards_equal_reference(twin_hf, twin_mcore, tmp_path, ep)
     assert verify(vv, hf, progress=False)["ok"]
 
 
-def test_sync_plan_covers_every_element_once(twin_hf):
+def test_sync_schedule_covers_every_element_once(twin_hf):
     cfg = load_config(twin_hf)
     par = convert.megatron_parallel(cfg, **TOPO)
-    src = MegatronSource(MegatronLayout(cfg, "te", par))
-    for vp in [VllmParallel(8), VllmParallel(8, 1, True), VllmParallel(8, 2, True), VllmParallel(8, 8, True)]:
-        plan = SyncPlan(src, VllmLayout(cfg, vp))
-        assert plan.check() == [], vp
-        assert len(plan.dst.ranks) == vp.world
-    # an incomplete plan is caught: drop one transfer
-    plan = SyncPlan(src, VllmLayout(cfg, VllmParallel(8)))
-    k = (3, "model.layers.7.self_attn.qkv_proj.weight")
-    plan.entries[k] = plan.entries[k][1:]
-    assert any("rank 3 model.layers.7.self_attn.qkv_proj.weight" in p for p in plan.check())
-    # a duplicated transfer too
-    plan.entries[k] = plan.entries[k] + plan.entries[k][:1]
-    assert plan.check()
+    for vp in [VllmParallel(8, 1, True), VllmParallel(8, 2, True), VllmParallel(8, 8, True), VllmParallel(8)]:
+        s = SyncSchedule(cfg, par, vp, "te")
+        assert s.check() == [], vp
+        assert len(s.vlayout.ranks) == vp.world
+    # an incomplete schedule is caught (the last one, vLLM TP8): drop one piece
+    hf = "model.layers.7.self_attn.q_proj.weight"
+    mine = [i for i, p in enumerate(s.pieces) if p.dst == 3 and p.hf == hf]
+    assert mine
+    full = list(s.pieces)
+    s.pieces = full[:mine[0]] + full[mine[0] + 1:]
+    assert any(f"rollout rank 3 {hf}" in p for p in s.check())
+    # a duplicated piece too
+    s.pieces = full + [full[mine[0]]]
+    assert s.check()

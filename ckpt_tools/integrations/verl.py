@@ -39,7 +39,8 @@ import os
 
 import torch
 
-from ..sync import SyncError, SyncSchedule, _comm, _exchange_summaries, control_group_for, local_chunks, sync_weights
+from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
+from ..sync_comm import _comm, _exchange_summaries
 
 logger = logging.getLogger("ckpt_tools.verl")
 MODES = ("ours", "verl", "check")
@@ -132,7 +133,7 @@ def _global_shapes(actor_module):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from ..sync import _unwrap
+    from ..sync_transport import _unwrap
 
     for m in actor_module:
         for v in nested_values(_unwrap(m).sharded_state_dict()):
