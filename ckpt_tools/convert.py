@@ -13,7 +13,7 @@ import torch
 from .driver import Job, Options, convert
 from .hf import HFDestination
 from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, numel
-from .mapping import MegatronLayout, VllmLayout
+from .layout import MegatronLayout, VllmLayout
 from .model_config import load_config
 from .torch_dist import TorchDistDestination
 from .views import FormatError, HFView, McoreView, open_view, widest

@@ -3,7 +3,7 @@
 A conversion is a list of destination *records* - dense row-major tensors stored raw at a byte offset of an
 output file (a safetensors tensor; the data of one ``torch.save``'d dist-checkpoint chunk) - and *copy ops*
 ``(src record, box in src, dst record, box in dst)`` of equal extent, derived from the layout segments
-(:mod:`ckpt_tools.layout`, :mod:`ckpt_tools.mapping`). The engine:
+(:mod:`ckpt_tools.layout`, :mod:`ckpt_tools.layout`). The engine:
 
 * splits big destination records into row blocks, so memory stays bounded whatever the tensor size;
 * assembles each block in a per-worker arena that is allocated once and reused (a fresh allocation page-faults

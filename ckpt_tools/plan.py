@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .layout import box_numel, numel
-from .mapping import MegatronLayout, VllmLayout
+from .layout import MegatronLayout, VllmLayout
 
 
 def plan_megatron(cfg, par, spec="te", dtype_bytes=2, disk_gbps=None, vocab_size_divisible_by=None) -> dict:

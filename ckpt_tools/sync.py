@@ -8,7 +8,7 @@ This module is the public entry; the work is done in rooms of one job each:
   ranks; disjoint: separate rank lists) it lists every *piece*: which region of which actor rank's local
   Megatron tensor (a chunk of its ``sharded_state_dict()``) fills which region of which HF tensor on which
   rollout rank, grouped into bounded buckets. A rollout rank gets exactly the HF regions its vLLM loader
-  reads (:class:`~ckpt_tools.mapping.VllmLayout`) - nothing else. It is built identically on every rank, and
+  reads (:class:`~ckpt_tools.layout.VllmLayout`) - nothing else. It is built identically on every rank, and
   ``check()`` proves it. It is the one sync planning API (``ckpt-tools plan --sync`` prices it:
   :mod:`ckpt_tools.sync_cost`).
 * :func:`sync_weights` (:mod:`ckpt_tools.sync_transport`) - the transport: every rank of the job calls it with

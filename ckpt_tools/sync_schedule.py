@@ -3,8 +3,8 @@ tensor fills which region of which HF tensor on which rollout rank (:class:`Piec
 buckets and messages, and proves the plan covers every rollout rank's vLLM parameters exactly once.
 
 The layout math is not here: Megatron chunks and HF <-> Megatron segments come from
-:class:`~ckpt_tools.mapping.MegatronLayout`, what each vLLM rank's loader reads from
-:class:`~ckpt_tools.mapping.VllmLayout`, boxes from :mod:`ckpt_tools.layout`. The transport that runs a schedule
+:class:`~ckpt_tools.layout.MegatronLayout`, what each vLLM rank's loader reads from
+:class:`~ckpt_tools.layout.VllmLayout`, boxes from :mod:`ckpt_tools.layout`. The transport that runs a schedule
 is :mod:`ckpt_tools.sync_transport`; ``ckpt_tools.sync`` is the public entry.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from .layout import (Box, LayoutError, MegatronParallel, VllmParallel, box_intersect, box_numel, box_shape,
                      box_shift, boxes_disjoint_cover, numel)
-from .mapping import MegatronLayout, VllmLayout
+from .layout import MegatronLayout, VllmLayout
 from .model_config import ModelConfig
 
 
@@ -40,7 +40,7 @@ def _elem_size(dtype: torch.dtype) -> int:
 
 
 class ChunkIndex:
-    """The chunks a :class:`~ckpt_tools.mapping.MegatronLayout` saves at its topology, found by the HF region they
+    """The chunks a :class:`~ckpt_tools.layout.MegatronLayout` saves at its topology, found by the HF region they
     hold. A chunk's ``holders`` are every rank with a copy (DP replicas); :class:`SyncSchedule` picks among them."""
 
     def __init__(self, layout: MegatronLayout):

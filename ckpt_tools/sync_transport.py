@@ -21,7 +21,7 @@ from .sync_verify import _flat, _verify
 
 def local_chunks(megatron_model) -> dict:
     """(key, global box) -> this rank's local tensor, from the live model chunk(s)' own
-    ``sharded_state_dict()`` (megatron/core/dist_checkpointing/mapping.py ShardedTensor: ``data`` is the
+    ``sharded_state_dict()`` (megatron/core/dist_checkpointing/layout/models.py ShardedTensor: ``data`` is the
     local tensor, ``global_offset`` its place in the global tensor, ``prepend_axis_num`` leading point axes
     (layer, expert)); SwiGLU ``linear_fc1`` comes as a ShardedTensorFactory that megatron's own
     ``apply_factories`` turns into its two chunks (megatron/core/transformer/mlp.py

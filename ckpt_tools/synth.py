@@ -8,7 +8,7 @@ import os
 import torch
 
 from .hf import HFShardWriter
-from .mapping import hf_shapes
+from .layout import hf_shapes
 from .model_config import config_from_dict, load_config
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,

@@ -14,7 +14,7 @@ from .errors import InputError
 from .fsutil import read_json
 from .hf import HFError, HFReader
 from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
-from .mapping import SPECS, MegatronLayout, VllmLayout, hf_shapes
+from .layout import SPECS, MegatronLayout, VllmLayout, hf_shapes
 from .model_config import ModelConfig, load_config
 from .torch_dist import DistCkptError
 from .torch_dist_reader import TorchDistReader

@@ -35,7 +35,7 @@ def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int,
 
 
 class VllmDestination(Destination):
-    """One safetensors file per vLLM rank laid out by ``dst`` (a :class:`~ckpt_tools.mapping.VllmLayout`),
+    """One safetensors file per vLLM rank laid out by ``dst`` (a :class:`~ckpt_tools.layout.VllmLayout`),
     filled from the view ``view``; with DP > 1 and expert parallel a directory per DP rank (``dp_{k}``), else
     the DP ranks' identical files written once. Each directory vLLM is pointed at gets config.json and the
     tokenizer files from ``side_dir``; ``dt_of(tensor segments)`` is each tensor's dtype."""

@@ -9,7 +9,7 @@ Each row is one logical weight:
           ``qkv`` (per query group g: [q heads of g; k_g; v_g], megatron SelfAttention's linear_qkv)
   shard   how megatron cuts it across ranks (see ckpt_tools.layout.megatron_chunks): rep | row | col | glu
   where   ``moe`` / ``dense`` rows exist only in MoE / dense-MLP layers; ``expert`` rows once per expert
-  vllm    (vLLM parameter name, rank rule) - see ckpt_tools.mapping.VllmLayout for each rule
+  vllm    (vLLM parameter name, rank rule) - see ckpt_tools.layout.VllmLayout for each rule
 
 Confirmed against megatron-core 0.12.1 source (gpt_layer_specs.py: local spec maps input_layernorm ->
 ``self_attention.linear_qkv.layer_norm_`` and pre_mlp_layernorm -> ``mlp.linear_fc1.layer_norm_`` via

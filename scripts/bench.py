@@ -55,7 +55,7 @@ SHAPES = {
 
 def config_for_gb(gb: float, shape: str = "235b") -> dict:
     """A Qwen3-MoE of ``shape``'s widths with as many layers as make about ``gb`` GB of bf16."""
-    from ckpt_tools.mapping import hf_shapes
+    from ckpt_tools.layout import hf_shapes
     from ckpt_tools.model_config import config_from_dict
 
     base = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], rms_norm_eps=1e-6,

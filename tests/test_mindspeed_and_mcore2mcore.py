@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
-from ckpt_tools.mapping import MegatronLayout
+from ckpt_tools.layout import MegatronLayout
 from ckpt_tools.model_config import load_config
 from ckpt_tools.verify import verify
 from ckpt_tools.views import ERRORS, HFView, McoreView, VllmView

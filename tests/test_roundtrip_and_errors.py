@@ -55,7 +55,7 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
 
 def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
     """A verl training checkpoint: keys under 'model.' beside optimizer state."""
-    from ckpt_tools.mapping import MegatronLayout
+    from ckpt_tools.layout import MegatronLayout
     from ckpt_tools.model_config import load_config
     from ckpt_tools.torch_dist import write_torch_dist
 
@@ -215,7 +215,7 @@ def test_interrupted_write_leaves_nothing(tiny_hf, tmp_path):
                     rec = dataclasses.replace(rec, offset=rec.offset + (1 << 40))
                 yield rec, sbox, hsub
 
-    from ckpt_tools.mapping import MegatronLayout
+    from ckpt_tools.layout import MegatronLayout
     from ckpt_tools.torch_dist import write_torch_dist
 
     lay = MegatronLayout(view.cfg, "te", MegatronParallel.build(view.cfg.layers, tp=2))

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from ckpt_tools import convert
 from ckpt_tools.layout import VllmParallel
-from ckpt_tools.mapping import MegatronLayout
+from ckpt_tools.layout import MegatronLayout
 from ckpt_tools.model_config import load_config
 from ckpt_tools.sync import SyncSchedule
 from ckpt_tools.views import HFView, McoreView, VllmView

@@ -7,7 +7,7 @@
   that a rank's live model holds, a real megatron-core ``ShardedTensor`` (local data, global offset / shape,
   prepended layer / expert axes) filled from :func:`hf_tensor` through the layout's segments.
 * :class:`LayoutReceiver` - a vLLM model stand-in: its parameters are laid out per vLLM rank by
-  :class:`~ckpt_tools.mapping.VllmLayout` (the rules read from vLLM's weight loaders) and its ``load_weights``
+  :class:`~ckpt_tools.layout.VllmLayout` (the rules read from vLLM's weight loaders) and its ``load_weights``
   slices each HF tensor into them as vLLM's loaders do. ``fault`` makes its loader wrong on purpose (to prove
   that the sync's verification catches a wrong loader): ``("drop", hf)`` silently skips HF tensor ``hf``,
   ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down.

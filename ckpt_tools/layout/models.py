@@ -1,4 +1,4 @@
-"""Turn a converter's mapping table into layouts: HF tensors, Megatron dist-ckpt tensors, vLLM rank tensors.
+"""Model layouts: a converter's mapping table turned into layouts: HF tensors, Megatron dist-ckpt tensors, vLLM rank tensors.
 
 Each layout lists its tensors as :class:`TensorSpec` (name, shape, segments into HF space).
 """
@@ -8,9 +8,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import converters
-from .layout import (Box, Chunk, LayoutError, MegatronParallel, Segment, VllmParallel, full_box,
-                     megatron_chunks, pad_vocab, split_range, vllm_expert_range)
-from .model_config import ModelConfig
+from ..model_config import ModelConfig
+from .boxes import Segment, full_box
+from .topology import (Chunk, LayoutError, MegatronParallel, VllmParallel, megatron_chunks, pad_vocab, split_range,
+                       vllm_expert_range)
 
 SPECS = ("te", "local", "mindspeed")  # loader specs: converters/*.py EXTRA_STATE / WEIGHT_NAMES
 

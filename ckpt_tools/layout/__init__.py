@@ -1,0 +1,27 @@
+"""All layout math lives here, one room per job: :mod:`~ckpt_tools.layout.boxes` (box geometry, segments),
+:mod:`~ckpt_tools.layout.topology` (Megatron and vLLM parallel topologies, chunk cutting) and
+:mod:`~ckpt_tools.layout.models` (the model layouts, ``MegatronLayout`` / ``VllmLayout``: a converter's table
+turned into segments). Everything is importable from ``ckpt_tools.layout``.
+
+Coordinate model
+----------------
+Every weight of a model is identified by its HF tensor (``model.layers.3.self_attn.q_proj.weight``).
+Every other layout (a Megatron dist-checkpoint key's *global* tensor, a vLLM rank-local parameter) is
+described by :class:`Segment` s: a bijection between a box of an HF tensor and a box of equal extent in
+the other tensor (which may carry extra leading point axes: Megatron's prepended layer / expert axes,
+vLLM's local expert axis).  Every direction (hf2mcore, mcore2hf, reshard, verify, SyncSchedule) is built
+from intersections of such boxes, so there is one place where a transform is defined: the converter's
+mapping table, turned into segments by :mod:`ckpt_tools.layout.models`.
+"""
+from __future__ import annotations
+
+from .boxes import (Box, LayoutError, Segment, box_intersect, box_numel, box_shape, box_shift, box_slices,
+                    boxes_disjoint_cover, full_box, iter_boxes_in, numel)
+from .models import SPECS, MegatronLayout, TensorSpec, VllmLayout, hf_shapes
+from .topology import (Chunk, MegatronParallel, VllmParallel, chunk_holders, megatron_chunks, pad_vocab, split_range,
+                       vllm_expert_range)
+
+__all__ = ["Box", "LayoutError", "Segment", "box_intersect", "box_numel", "box_shape", "box_shift", "box_slices",
+           "boxes_disjoint_cover", "full_box", "iter_boxes_in", "numel", "SPECS", "MegatronLayout", "TensorSpec",
+           "VllmLayout", "hf_shapes", "Chunk", "MegatronParallel", "VllmParallel", "chunk_holders", "megatron_chunks",
+           "pad_vocab", "split_range", "vllm_expert_range"]

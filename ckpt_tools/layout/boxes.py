@@ -1,0 +1,125 @@
+"""Box geometry: a box is a tuple of (start, stop) per dimension; a :class:`Segment` says that a box of an HF
+tensor equals a box of equal extent of another tensor (the coordinate model: :mod:`ckpt_tools.layout`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..errors import InputError
+
+
+class LayoutError(InputError):
+    """Bad topology or layout request; the message names the offending flag."""
+
+
+Box = tuple  # tuple of (start, stop) per dim
+
+
+def box_shape(b: Box) -> tuple:
+    return tuple(s1 - s0 for s0, s1 in b)
+
+
+def box_numel(b: Box) -> int:
+    return math.prod(s1 - s0 for s0, s1 in b)
+
+
+def numel(shape) -> int:
+    """Elements of a tensor of ``shape`` (1 for a scalar)."""
+    return math.prod(shape)
+
+
+def box_intersect(a: Box, b: Box):
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def box_shift(b: Box, origin: Sequence[int]) -> Box:
+    return tuple((s0 - o, s1 - o) for (s0, s1), o in zip(b, origin))
+
+
+def box_slices(b: Box) -> tuple:
+    return tuple(slice(s0, s1) for s0, s1 in b)
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def boxes_disjoint_cover(boxes: Sequence[Box], shape: Sequence[int]) -> tuple[bool, str]:
+    """True iff ``boxes`` tile the tensor of ``shape`` exactly once (no gap, no overlap).
+
+    Exact, in time linear in the boxes: cut every dim at all box edges, count how often each grid cell is
+    covered (every box covers whole cells), and require exactly one cover per cell."""
+    import bisect
+
+    import numpy as np
+
+    shape = tuple(int(n) for n in shape)
+    if not shape:
+        return (len(boxes) == 1, f"{len(boxes)} chunks for a scalar")
+    for b in boxes:
+        if len(b) != len(shape) or any(s0 < 0 or s1 > n or s0 >= s1 for (s0, s1), n in zip(b, shape)):
+            return False, f"box {b} outside shape {shape}"
+    cuts = []
+    for d, n in enumerate(shape):
+        pts = {0, n}
+        for b in boxes:
+            pts.add(b[d][0])
+            pts.add(b[d][1])
+        cuts.append(sorted(pts))
+    cells = 1
+    for c in cuts:
+        cells *= len(c) - 1
+    if cells > 50_000_000:
+        raise LayoutError(f"coverage grid too large ({cells} cells)")
+    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for b in boxes:
+        idx = tuple(slice(bisect.bisect_left(c, s0), bisect.bisect_left(c, s1)) for c, (s0, s1) in zip(cuts, b))
+        count[idx] += 1
+    if (count == 1).all():
+        return True, "ok"
+    gaps, over = int((count == 0).sum()), int((count > 1).sum())
+    cell = np.argwhere(count != 1)[0]
+    where = tuple(cuts[d][i] for d, i in enumerate(cell))
+    return False, f"{gaps} uncovered and {over} multiply covered regions (first at offset {where})"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """HF box ``hf_box`` of tensor ``hf`` equals box ``box`` of target tensor ``key``.
+
+    ``box`` may have more dims than ``hf_box``: the leading extra dims are points (extent 1)."""
+
+    hf: str
+    hf_box: Box
+    key: str
+    box: Box
+
+    def hf_to_target(self, sub: Box) -> Box:
+        """Map a sub-box of ``hf_box`` into target coordinates."""
+        lead = len(self.box) - len(self.hf_box)
+        out = list(self.box[:lead])
+        for (h0, _), (t0, _), (s0, s1) in zip(self.hf_box, self.box[lead:], sub):
+            out.append((t0 + s0 - h0, t0 + s1 - h0))
+        return tuple(out)
+
+    def target_to_hf(self, sub: Box) -> Box:
+        lead = len(self.box) - len(self.hf_box)
+        out = []
+        for (h0, _), (t0, _), (s0, s1) in zip(self.hf_box, self.box[lead:], sub[lead:]):
+            out.append((h0 + s0 - t0, h0 + s1 - t0))
+        return tuple(out)
+
+
+def iter_boxes_in(segments: Iterable[Segment], target_box: Box):
+    """Yield (segment, target sub-box) for each segment overlapping ``target_box``."""
+    for seg in segments:
+        inter = box_intersect(seg.box, target_box)
+        if inter is not None:
+            yield seg, inter
