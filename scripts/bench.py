@@ -295,9 +295,10 @@ def main():
             ("verify", "verify hf vs mcore", tool + ["verify", "--hf", hf, "--mcore", out("mcore"), "--no-progress",
                                                      "--max-memory", args.max_memory], None),
         ]
+        base_steps = list(steps[1:])  # every step but cp
         for n in sorted(set(args.procs) - {1}):  # the same steps under torchrun, their own outputs
             run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "ckpt_tools.cli"]
-            for key, name, cmd, o in list(steps[1:]):
+            for key, name, cmd, o in base_steps:
                 if key in want:
                     o2 = o and o + f"_p{n}"
                     steps.append((key, f"{name} x{n} procs", run + [o2 if a == o else a for a in cmd[3:]], o2))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import HERE, ROOT, free_port
 from test_trust_fs import _tree
-from ckpt_tools.distributed import divide
+from ckpt_tools.distributed import divide, divide_in_order
 
 TOPO = ["--pp", "2", "--tp", "2", "--ep", "2"]
 QUIET = ["--no-progress", "--dist-timeout", "120"]
@@ -65,6 +65,9 @@ def test_divide_balances_bytes_whole_files_first():
     for (f, n), r in zip(sizes, divide(sizes, 3)):
         loads[r] += n
     assert max(loads) - min(loads) <= 600 and sum(loads) == 1200
+    # CKPT_TOOLS_DIVIDE=source: contiguous runs of the processing (= source) order, balanced by bytes
+    owner = divide_in_order([("f", 10)] * 7 + [("g", 30)], 4)
+    assert owner == sorted(owner) and owner[-1] == 3 and owner[0] == 0
 
 
 def test_every_direction_under_torchrun_equals_one_process(tiny_hf_bf16, tmp_path):
