@@ -12,8 +12,7 @@ import torch
 
 from .driver import Job, Options, convert
 from .hf import HFDestination
-from .layout import LayoutError, MegatronParallel, VllmParallel, box_numel, numel
-from .layout import MegatronLayout, VllmLayout
+from .layout import LayoutError, MegatronLayout, MegatronParallel, VllmLayout, VllmParallel, box_numel, numel
 from .model_config import load_config
 from .torch_dist import TorchDistDestination
 from .views import FormatError, HFView, McoreView, open_view, widest
@@ -39,7 +38,7 @@ def _is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts, **extra):
+def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts):
     """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened."""
     par = megatron_parallel(cfg, **topo)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
@@ -53,7 +52,8 @@ def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_s
                 "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage), "world": par.world,
                 "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}
         if label == "reshard":
-            side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=len(_dropped(view)))
+            info.update(dropped=len(_dropped(view)))
+            side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
         return TorchDistDestination(layout, view, dt, side_car=side)
 
     view, _, res = convert(Job(out, "mcore", label, inputs, src, open_src, destination), opts, FormatError)
@@ -115,7 +115,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     view, res = _to_mcore(out, src, "reshard", inputs,
                           lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
                           vocab_size_divisible_by, opts)
-    res.update(source_prefix=view.ckpt.prefix, dropped=len(_dropped(view)), source_loaders=view.loaders())
+    res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
     return res
 
 

@@ -36,6 +36,7 @@ from .errors import InputError, PeerFailed
 from .fsutil import boot_id as _boot_id
 
 BEAT = 0.5  # seconds between heartbeats
+BYE = "bye"  # a rank's heartbeat value once it is done
 TIMEOUT = 300.0  # the default of --dist-timeout (cli.main sets the flag's value here)
 ARGV: list | None = None  # the command line (set by cli.main): ranks started with other arguments are refused
 _STORE = None  # (store, host, port): one connection per process
@@ -150,8 +151,12 @@ class Group:
     def _k(self, name: str, rank: int | None = None) -> str:
         return name if rank is None else f"{name}/{rank}"
 
-    def _post(self, name: str, value, rank: int | None = None):
-        self.store.set(self._k(name, self.rank if rank is None else rank), json.dumps(value))
+    def _post(self, name: str, value):
+        self.store.set(self._k(name, self.rank), json.dumps(value))
+
+    def _beats(self) -> list[str]:
+        """Every rank's heartbeat key: a counter while it runs, ``BYE`` once it is done (one round trip)."""
+        return [v.decode() for v in self.store.multi_get([f"beat/{r}" for r in range(self.world)])]
 
     def _wait(self, name: str, ranks, what: str, deadline: bool = True) -> list:
         """The values ``ranks`` posted under ``name``, waiting for them (``deadline``: at most ``timeout``
@@ -163,7 +168,8 @@ class Group:
             if self.store.check(keys):  # before the failure record: a verdict every rank reaches from the same
                 return [json.loads(v) for v in self.store.multi_get(keys)]  # values (agree) stays every rank's own
             self.check()
-            gone = [r for r, k in zip(ranks, keys) if self.store.check([f"bye/{r}"]) and not self.store.check([k])]
+            beats = self._beats()
+            gone = [r for r, k in zip(ranks, keys) if beats[r] == BYE and not self.store.check([k])]
             if gone:
                 raise self._fail(f"rank {gone[0]} ended without reaching {what}")
             if deadline and time.monotonic() > end:
@@ -188,10 +194,7 @@ class Group:
         if isinstance(e, PeerFailed) or self.reason is not None:
             return
         what = {KeyboardInterrupt: "interrupted"}.get(type(e)) or _one_line(e)
-        try:
-            self.store.compare_set("fail", "", f"rank {self.rank} ({self.host}) failed: {what}")
-        except Exception:  # noqa: BLE001
-            pass
+        self._fail(f"rank {self.rank} ({self.host}) failed: {what}")
 
     def check(self):
         """Raise :class:`PeerFailed` if another rank failed."""
@@ -232,6 +235,7 @@ class Group:
     # -- life
     def start(self):
         """Join: say who we are, learn who the others are, start the heartbeat."""
+        self.store.set(f"beat/{self.rank}", "0")  # before "who": once every rank is known, every beat key exists
         self._post("who", {"host": self.host, "pid": os.getpid(), "boot": _boot_id()})
         self.peers = dict(enumerate(self._wait("who", range(self.world), "the start")))
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="ckpt-tools-watch")
@@ -239,10 +243,13 @@ class Group:
             self._old_handler = signal.signal(signal.SIGUSR1, self._on_abort)
         self._watcher.start()
 
-    def close(self):
+    def _stop_watch(self):
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join()
+
+    def close(self):
+        self._stop_watch()
         if self._old_handler is not None:
             signal.signal(signal.SIGUSR1, self._old_handler)
             self._old_handler = None
@@ -278,17 +285,17 @@ class Group:
                 if self.store.check(["fail"]):
                     self._abort(self.store.get("fail").decode())
                     return
-                bye = {r for r in others if self.store.check([f"bye/{r}"])}
+                beats = self._beats()
                 now = time.monotonic()
                 for r in others:
-                    if r in bye:
+                    v = beats[r]
+                    if v == BYE:
                         continue
                     p = self.peers.get(r, {})
                     if self._dead(r):
                         self._abort(self._fail(f"rank {r} (pid {p.get('pid')} on {p.get('host')}) is gone "
                                                f"(killed or exited)").args[0])
                         return
-                    v = self.store.get(f"beat/{r}").decode() if self.store.check([f"beat/{r}"]) else None
                     if v != seen[r][0]:
                         seen[r] = (v, now)
                     elif now - seen[r][1] > self.timeout:
@@ -303,12 +310,15 @@ class Group:
                 return
 
     def finish(self):
-        """Leave: tell the watchers we are done; rank 0 (which may host the store) waits for every rank's bye."""
-        self.store.set(f"bye/{self.rank}", "1")
+        """Leave: tell the watchers we are done (our heartbeat stopped first, so nothing overwrites the BYE);
+        rank 0 (which may host the store) waits for every rank's BYE."""
+        self._stop_watch()
+        self.store.set(f"beat/{self.rank}", BYE)
         if self.lead_rank:
             end = time.monotonic() + self.timeout
-            keys = [f"bye/{r}" for r in range(self.world)]
-            while not self.store.check(keys) and time.monotonic() < end and self.reason is None:
+            while time.monotonic() < end and not self.store.check(["fail"]):  # published: nothing left to stop
+                if all(b == BYE or self._dead(r) for r, b in enumerate(self._beats())):
+                    break
                 time.sleep(0.02)
 
 

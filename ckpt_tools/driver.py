@@ -113,14 +113,15 @@ def _convert(g, job: Job, opts: Options, error):
     g.agree("output plans", fingerprint(job.label, os.path.abspath(job.out), sorted(dest.files.items()), dest.total))
     tmp = g.lead(lambda: staging(job.out, opts.overwrite, error, kind=job.kind, inputs=job.inputs), "staging")
     t0 = time.time()
-    items = list(dest.items(tmp))
-    owner = (divide_in_order if os.environ.get("CKPT_TOOLS_DIVIDE") == "source" else divide)(
-        [(rec.path, rec.nbytes) for rec, _ in items], g.world)
-    share = [it for it, r in zip(items, owner) if r == g.rank]
-    mine = sum(rec.nbytes for rec, _ in share)
-    label = job.label if g.world == 1 else f"{job.label} (rank 0 of {g.world})"
-    bar = Progress(mine, label, enabled=opts.progress and g.lead_rank)
+    bar = None
     try:
+        items = list(dest.items(tmp))
+        owner = (divide_in_order if os.environ.get("CKPT_TOOLS_DIVIDE") == "source" else divide)(
+            [(rec.path, rec.nbytes) for rec, _ in items], g.world)
+        share = [it for it, r in zip(items, owner) if r == g.rank]
+        mine = sum(rec.nbytes for rec, _ in share)
+        label = job.label if g.world == 1 else f"{job.label} (rank 0 of {g.world})"
+        bar = Progress(mine, label, enabled=opts.progress and g.lead_rank)
         g.lead(lambda: dest.create(tmp), "the files' creation")
         hashes = []
         stats = copy(share, opts, bar, hashes, check, error)
@@ -135,7 +136,8 @@ def _convert(g, job: Job, opts: Options, error):
 
         g.lead(finish, "publication")
     except BaseException:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if g.lead_rank:
             discard(tmp)
         raise
