@@ -217,8 +217,6 @@ def main(argv=None) -> int:
     from .integrity import IntegrityError
 
     distributed.ARGV = list(sys.argv[1:] if argv is None else argv)
-    if getattr(args, "dist_timeout", None) is not None:
-        distributed.TIMEOUT = args.dist_timeout
     try:
         rank, nranks = distributed.world()
     except Exception as e:  # noqa: BLE001 - InputError: one line, exit 2

@@ -81,7 +81,7 @@ def cmd_hf2mcore(args) -> int:
                          last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                          workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
                          vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
-                         io_threads=args.io_threads)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout)
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
     return 0
@@ -91,7 +91,7 @@ def cmd_mcore2hf(args) -> int:
     r = convert.mcore2hf(args.mcore, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
                          max_memory=args.max_memory, direct_io=not args.buffered_io,
-                         io_threads=args.io_threads)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout)
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
           f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
     return 0
@@ -107,7 +107,8 @@ def cmd_reshard_mcore(args) -> int:
                             etp=args.etp, first=args.first, last=args.last, layer_list=args.layer_list,
                             spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
-                            progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads)
+                            progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
+                            dist_timeout=args.dist_timeout)
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
           f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
@@ -126,7 +127,7 @@ def cmd_reshard_vllm(args) -> int:
     r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                         ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
                         overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args), max_memory=args.max_memory,
-                        direct_io=not args.buffered_io, io_threads=args.io_threads,
+                        direct_io=not args.buffered_io, io_threads=args.io_threads, dist_timeout=args.dist_timeout,
                         vllm_version=args.vllm_version)
     where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
     print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "

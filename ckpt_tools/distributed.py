@@ -37,7 +37,7 @@ from .fsutil import boot_id as _boot_id
 
 BEAT = 0.5  # seconds between heartbeats
 BYE = "bye"  # a rank's heartbeat value once it is done
-TIMEOUT = 300.0  # the default of --dist-timeout (cli.main sets the flag's value here)
+TIMEOUT = 300.0  # the default of --dist-timeout
 ARGV: list | None = None  # the command line (set by cli.main): ranks started with other arguments are refused
 _STORE = None  # (store, host, port): one connection per process
 _SEQ = [0]  # commands run by this process: each gets its own key space in the store
@@ -145,6 +145,7 @@ class Group:
         self._steps = 0
         self._watcher = None
         self._old_handler = None
+        self._raised = False  # PeerFailed raised (or the rank unwinding): SIGUSR1 is ignored from then on
         self.peers: dict = {}
 
     # -- keys
@@ -171,9 +172,11 @@ class Group:
             beats = self._beats()
             gone = [r for r, k in zip(ranks, keys) if beats[r] == BYE and not self.store.check([k])]
             if gone:
+                self._raised = True
                 raise self._fail(f"rank {gone[0]} ended without reaching {what}")
             if deadline and time.monotonic() > end:
                 late = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
+                self._raised = True
                 raise self._fail(f"rank {late[0]} did not reach {what} within {self.timeout:g} s "
                                  f"(--dist-timeout)")
             time.sleep(pause)
@@ -201,6 +204,7 @@ class Group:
         if self.reason is None and self.store.check(["fail"]):
             self.reason = self.store.get("fail").decode()
         if self.reason is not None:
+            self._raised = True
             raise PeerFailed(self.reason)
 
     # -- steps
@@ -254,8 +258,13 @@ class Group:
             signal.signal(signal.SIGUSR1, self._old_handler)
             self._old_handler = None
 
+    def unwinding(self):
+        """This rank is leaving by an exception already (its cleanup runs now): a peer's failure must not
+        interrupt it again - SIGUSR1 raising inside ``discard`` would leave the staging directory behind."""
+        self._raised = True
+
     def _on_abort(self, signum, frame):
-        if self.reason is not None and not getattr(self, "_raised", False):
+        if self.reason is not None and not self._raised:
             self._raised = True
             raise PeerFailed(self.reason)
 
@@ -362,6 +371,7 @@ def on_ranks(fn, timeout=None):
         return res
     except BaseException as e:
         if g is not None:
+            g.unwinding()
             g.failed(e)
         raise
     finally:
@@ -384,6 +394,9 @@ class Solo:
         pass
 
     def check(self):
+        pass
+
+    def unwinding(self):
         pass
 
 

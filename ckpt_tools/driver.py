@@ -136,6 +136,7 @@ def _convert(g, job: Job, opts: Options, error):
 
         g.lead(finish, "publication")
     except BaseException:
+        g.unwinding()
         if bar is not None:
             bar.close()
         if g.lead_rank:
