@@ -87,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore", required=True, help="dist-checkpoint dir (ours or megatron-core's own, any topology; "
                                                    "verl's global_step_N/actor/dist_ckpt works; a key prefix, if any, is detected)")
     p.add_argument("--out", required=True, help="output HF dir")
-    p.add_argument("--hf-config", required=True, help="HF dir (or config.json) describing the model; its tokenizer/"
-                                                       "generation files are copied")
+    p.add_argument("--hf-config", default=None, help="HF dir (or config.json) describing the model; its tokenizer/"
+                                                      "generation files are copied (default: verl's huggingface/ "
+                                                      "beside the checkpoint, or the HF source a ckpt-tools output "
+                                                      "records; which one is said)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="output dtype of every tensor (default: each tensor's stored dtype, e.g. fp32 norms stay fp32)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="max bytes per safetensors shard (default 5GB)")
@@ -124,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
     _add_megatron_topology(p, "--to mcore: Megatron target topology and spec (as hf2mcore)", tp_ep=False,
                            spec_default=None, vocab_note="; source padding is stripped")
-    p.add_argument("--hf-config", default=None, help="HF config dir (needed when --from is a Megatron checkpoint)")
+    p.add_argument("--hf-config", default=None, help="HF config dir for a Megatron --from (default: verl's huggingface/ "
+                                                      "beside it, or the HF source a ckpt-tools output records)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of every shard tensor (default: each tensor's stored dtype; a fused tensor "
@@ -198,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="summarize a checkpoint dir (any format)")
     p.add_argument("path")
-    p.add_argument("--hf-config", default=None)
+    p.add_argument("--hf-config", default=None, help="HF config for a Megatron checkpoint (default: found as for "
+                                                      "mcore2hf)")
     p.add_argument("--json", default=None)
     return ap
 

@@ -26,6 +26,45 @@ def _dump(obj, path):
             json.dump(obj, f, indent=1)
 
 
+def find_hf_config(mcore: str, cmd: str) -> str:
+    """The HF config of a Megatron checkpoint given without ``--hf-config``, said on stderr:
+
+    * verl's checkpoint manager saves the HF config and tokenizer (rank 0, whether or not HF weights are saved)
+      under ``global_step_N/actor/huggingface/`` beside ``dist_ckpt/`` (verl 0.5.0
+      utils/checkpoint/megatron_checkpoint_manager.py save_checkpoint, utils/megatron_utils.py
+      get_hf_model_checkpoint_path): a ``huggingface/config.json`` beside the checkpoint;
+    * our own torch_dist outputs record their source in ``ckpt_tools.json``: the HF directory hf2mcore read, or
+      for ``reshard --to mcore`` the Megatron checkpoint it read, whose config is looked for the same way.
+    A wrong model is still caught: every tensor's shape is checked against the config when the view opens."""
+    from .fsutil import SIDE_CAR, read_json
+
+    tried, d = [], os.path.abspath(mcore)
+    for _ in range(8):
+        beside = os.path.join(os.path.dirname(d), "huggingface")
+        if os.path.isfile(os.path.join(beside, "config.json")):
+            how = "verl's checkpoint layout: huggingface/ beside the checkpoint"
+            break
+        tried.append(os.path.join(beside, "config.json"))
+        side = os.path.join(d, SIDE_CAR)
+        src = read_json(side).get("source") if os.path.isfile(side) else None
+        if not isinstance(src, str):
+            tried.append(f"{side} (a source recorded by ckpt-tools)")
+            beside = None
+            break
+        if os.path.isfile(os.path.join(src, "config.json")):
+            beside, how = src, f"the HF source recorded in {side}"
+            break
+        tried.append(os.path.join(src, "config.json"))
+        d = src
+    else:
+        beside = None
+    if beside is None:
+        raise convert.FormatError(f"{mcore} is a Megatron checkpoint and no HF config was found for it (looked for "
+                                  f"{'; '.join(tried)}): pass --hf-config DIR")
+    print(f"ckpt-tools {cmd}: using the HF config in {beside} ({how}; --hf-config overrides)", file=sys.stderr)
+    return beside
+
+
 def _plan_sync(args, cfg, par, vp, p):
     import torch
 
@@ -88,7 +127,8 @@ def cmd_hf2mcore(args) -> int:
 
 
 def cmd_mcore2hf(args) -> int:
-    r = convert.mcore2hf(args.mcore, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
+    hf_config = args.hf_config or (find_hf_config(args.mcore, "mcore2hf") if os.path.isdir(args.mcore) else None)
+    r = convert.mcore2hf(args.mcore, args.out, hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
                          max_memory=args.max_memory, direct_io=not args.buffered_io,
                          io_threads=args.io_threads, dist_timeout=args.dist_timeout)
@@ -103,7 +143,8 @@ def cmd_reshard_mcore(args) -> int:
         print(f"ckpt-tools reshard: error: {vllm_only[0]} is a vLLM flag; --to mcore takes --pp/--tp/--ep/--etp",
               file=sys.stderr)
         return 2
-    r = convert.mcore2mcore(args.src, args.out, args.hf_config, pp=args.pp, tp=args.tp or 1, ep=args.ep or 1,
+    hf_config = args.hf_config or (find_hf_config(args.src, "reshard") if convert.is_mcore(args.src) else None)
+    r = convert.mcore2mcore(args.src, args.out, hf_config, pp=args.pp, tp=args.tp or 1, ep=args.ep or 1,
                             etp=args.etp, first=args.first, last=args.last, layer_list=args.layer_list,
                             spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
@@ -125,7 +166,9 @@ def cmd_reshard_vllm(args) -> int:
         print(f"ckpt-tools reshard: error: --to vllm: {why}", file=sys.stderr)
         return 2
     r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
-                        ep=args.ep, hf_config=args.hf_config, dtype=args.dtype, workers=args.workers,
+                        ep=args.ep, hf_config=args.hf_config or (find_hf_config(args.src, "reshard")
+                                                                 if convert.is_mcore(args.src) else None),
+                        dtype=args.dtype, workers=args.workers,
                         overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args), max_memory=args.max_memory,
                         direct_io=not args.buffered_io, io_threads=args.io_threads, dist_timeout=args.dist_timeout,
                         vllm_version=args.vllm_version)
@@ -147,6 +190,8 @@ def cmd_verify(args) -> int:
     cfg_src = args.hf or args.hf_config or args.hf2
     if len(given) == 1 and args.hf_config:
         cfg_src = args.hf_config
+    if not cfg_src and args.mcore and convert.is_mcore(args.mcore):
+        cfg_src = find_hf_config(args.mcore, "verify")
     cfg = load_config(cfg_src) if cfg_src else None
     if cfg is None and any(k == "mcore" for k, _ in given):
         print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
@@ -255,7 +300,8 @@ def cmd_plan(args) -> int:
 def cmd_inspect(args) -> int:
     from .views import open_view
 
-    cfg = load_config(args.hf_config) if args.hf_config else None
+    hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
+    cfg = load_config(hf_config) if hf_config else None
     v = open_view(args.path, cfg)
     info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
             "experts": v.cfg.experts, "tensors": len(v.shapes),

@@ -34,7 +34,7 @@ def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, la
                                   layer_list=layer_list)
 
 
-def _is_mcore(path: str) -> bool:
+def is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
@@ -109,7 +109,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
     _guard(out, "mcore", inputs, opts)
     cfg = load_config(hf_config)
-    if not _is_mcore(src):
+    if not is_mcore(src):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
@@ -150,6 +150,8 @@ def _side_dir(cfg_path: str) -> str:
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
              overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8,
              dist_timeout=None) -> dict:
+    if not hf_config:
+        raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
     _guard(out, "hf", inputs, opts)

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Callable, NamedTuple
 
-from .fsutil import check_out, discard, hold_point, publish, staging
+from .fsutil import check_out, discard, hold_point, publish, staging, write_file
 from .integrity import write_manifest
 from .progress import Progress
 
@@ -43,9 +43,17 @@ class Destination:
     files: dict
     blobs: dict
     total: int
+    durable: tuple = ()  # finals fsynced when written (the others are small side files)
 
     def items(self, root: str):
         raise NotImplementedError
+
+    def prepare(self) -> dict:
+        """Everything :meth:`finish` writes, built now, before anything is staged: {relative path: bytes}.
+        Building it here is what validates it - a torch whose classes lack a field, a side file that cannot be
+        read, a config that is not JSON - so that such a problem is one line with nothing written, never an
+        error after the whole copy (issue 27)."""
+        return {}
 
     def create(self, root: str, only=None):
         """Every file (or those in ``only``) at its final size (reads as zeros), with its blobs."""
@@ -60,8 +68,12 @@ class Destination:
                     f.seek(off)
                     f.write(data)
 
-    def finish(self, root: str):
-        pass
+    def finish(self, root: str, finals: dict):
+        """Write the prepared files (:meth:`prepare`) into the staged output, after the copy."""
+        for rel, data in finals.items():
+            path = os.path.join(root, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_file(path, data, sync=rel in self.durable)
 
     def summary(self) -> dict:
         return {}
@@ -110,6 +122,7 @@ def _convert(g, job: Job, opts: Options, error):
     else:
         view, check = checked_source(job.source, job.open_source, job.label)
     dest = job.destination(view)
+    finals = dest.prepare()  # before staging: what the finish needs, built and so validated now
     g.agree("output plans", fingerprint(job.label, os.path.abspath(job.out), sorted(dest.files.items()), dest.total))
     tmp = g.lead(lambda: staging(job.out, opts.overwrite, error, kind=job.kind, inputs=job.inputs), "staging")
     t0 = time.time()
@@ -130,7 +143,7 @@ def _convert(g, job: Job, opts: Options, error):
         parts = g.gather({"hashes": hashes, "bytes": mine}, "the end of the copy")
 
         def finish():
-            dest.finish(tmp)
+            dest.finish(tmp, finals)
             write_manifest(tmp, [h for p in parts for h in p["hashes"]], skip=dest.manifest_skip)
             publish(tmp, job.out, error)
 

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -550,5 +551,11 @@ def hold_point(point: str):
     moved to ``OUT.old-PID/prev``, the new one not yet renamed into place)."""
     spec = os.environ.get(TEST_HOLD)
     if spec and spec.partition(":")[0] == point:
-        with open(spec.partition(":")[2], "rb") as f:
-            f.read()
+        with open(spec.partition(":")[2], "rb", buffering=0) as f:
+            # select() with a bound, not one blocking read(): a signal that lands between open() returning and
+            # read() entering the kernel only sets CPython's flag (its handler runs at the next bytecode), so a
+            # blocking read would sit on it for as long as the test holds the FIFO (seen on Python 3.10: a
+            # SIGHUP ignored until the test's 120 s timeout). The bound is the latency of a pending handler,
+            # not a timing assumption: the hold still lasts exactly until the writer closes.
+            while not (select.select([f], [], [], 0.5)[0] and f.read(65536) == b""):
+                pass

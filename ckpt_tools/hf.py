@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import threading
 
 import torch
@@ -338,8 +337,13 @@ class HFShardWriter:
         return write_index(self.out_dir, self.total, self.file_of)
 
 
+def index_of(total: int, file_of: dict) -> dict:
+    """``model.safetensors.index.json``'s content."""
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+
+
 def write_index(out_dir: str, total: int, file_of: dict) -> dict:
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+    index = index_of(total, file_of)
     with open(os.path.join(out_dir, INDEX), "w") as f:
         json.dump(index, f, indent=2)
     return index
@@ -376,9 +380,9 @@ class HFDestination(Destination):
                 rec = Rec(os.path.join(root, fn), off, shape, dtype, what=tname)
                 yield rec, functools.partial(self.ops, tname, rec)
 
-    def finish(self, root: str):
-        self.index = write_index(root, self.total, self.file_of)
-        write_side_files(self.side_dir, root, self.config)
+    def prepare(self) -> dict:
+        return {INDEX: json.dumps(index_of(self.total, self.file_of), indent=2).encode(),
+                **side_files(self.side_dir, self.config)}
 
     def summary(self) -> dict:
         return {"tensors": len(self.file_of), "bytes": self.total, "shards": len(self.files)}
@@ -394,16 +398,16 @@ def pwrite_all(fd: int, mv, offset: int):
 _ST = {v: k for k, v in _DT.items()}
 
 
-def write_side_files(src_dir: str, out_dir: str, config: dict) -> list[str]:
-    """Copy the model's config and tokenizer files (:data:`COPY_FILES`) from ``src_dir``; write ``config`` as
-    config.json when ``src_dir`` has none."""
-    done = []
+def side_files(src_dir: str, config: dict) -> dict:
+    """{file name: bytes}: the model's config and tokenizer files (:data:`COPY_FILES`) found in ``src_dir``,
+    read now (a file that cannot be read is an error before any copy); ``config`` as config.json when
+    ``src_dir`` has none."""
+    out = {}
     for fn in COPY_FILES:
         p = os.path.join(src_dir, fn)
         if os.path.isfile(p):
-            shutil.copy2(p, os.path.join(out_dir, fn))
-            done.append(fn)
-    if "config.json" not in done:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-    return done
+            with open(p, "rb") as f:
+                out[fn] = f.read()
+    if "config.json" not in out:
+        out["config.json"] = json.dumps(config, indent=2).encode()
+    return out

@@ -12,6 +12,7 @@ Format (megatron-core 0.12.1 strategies/torch.py on torch DCP; see docs/format.m
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -25,7 +26,7 @@ import torch
 
 from .errors import InputError
 from .driver import Destination
-from .fsutil import SIDE_CAR, write_file
+from .fsutil import SIDE_CAR
 from .layout import box_intersect, box_numel, box_shape, box_shift
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -45,6 +46,32 @@ def dcp():
     metadata._StorageInfo = _StorageInfo
     metadata.FileSystemReader = FileSystemReader
     return metadata
+
+
+# torch's own FileSystemWriter.finish sets ``metadata.version = CURRENT_DCP_VERSION`` ("1.0.0" in torch 2.13,
+# torch/distributed/checkpoint/filesystem.py); torch 2.6 / 2.7.1's Metadata has no such field (metadata.py there:
+# state_dict_metadata, planner_data, storage_data, storage_meta) and their reader keeps an extra attribute of the
+# unpickled object as it is. So the field is set as an attribute, as torch 2.13 itself does, on every torch: the
+# .metadata pickle is the same bytes whichever supported torch wrote it.
+SUPPORTED_TORCH = ">=2.6,<2.14 (tested: 2.7.1 and 2.13.0)"
+DCP_VERSION = "1.0.0"
+_METADATA_FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta")
+
+
+def build_metadata(m, sdm: dict, storage_data: dict):
+    """DCP ``Metadata`` built with the fields the running torch's dataclass has (checked: a torch whose Metadata
+    lacks one of :data:`_METADATA_FIELDS` is refused with one line), ``version`` set as torch's own writer sets
+    it, so that it pickles identically on every supported torch."""
+    fields = {f.name for f in dataclasses.fields(m.Metadata)} if dataclasses.is_dataclass(m.Metadata) else set()
+    missing = [f for f in _METADATA_FIELDS if f not in fields]
+    if missing:
+        raise DistCkptError(f"torch {torch.__version__}: torch.distributed.checkpoint.metadata.Metadata has no "
+                            f"field {', '.join(missing)}; this torch cannot write a torch_dist checkpoint "
+                            f"(supported: torch {SUPPORTED_TORCH})")
+    md = m.Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
+                    storage_meta=m.StorageMeta())
+    md.version = DCP_VERSION
+    return md
 
 
 def dcp_background() -> threading.Thread:
@@ -206,7 +233,11 @@ class TorchDistDestination(Destination):
                 ops.append(Op(srec, sbox, rec, map_sub(hbox, dbox, hsub) if hsub != hbox else dbox))
         return ops
 
-    def finish(self, root: str):
+    durable = (".metadata",)
+
+    def prepare(self) -> dict:
+        """``.metadata`` (DCP classes of the running torch: :func:`build_metadata`), ``common.pt``,
+        ``metadata.json`` and the side car, as bytes, before the copy."""
         layout, key_dtype = self.layout, self.key_dtype
         m = dcp()
         sdm = {}
@@ -224,14 +255,13 @@ class TorchDistDestination(Destination):
                                 f"{len(self.chunks) + len(layout.objects)}")
         storage_data = {m.MetadataIndex(k, None if off is None else torch.Size(off)): m._StorageInfo(*v)
                         for (k, off), v in self.storage.items()}
-        md = m.Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
-                        storage_meta=m.StorageMeta(), version="1.0.0")
+        md = build_metadata(m, sdm, storage_data)
         md.mcore_data = {k: {} for k in layout.tensors}
-        write_file(os.path.join(root, "common.pt"), _save_bytes({}), sync=False)  # not torch.save(path): ENOSPC
-        write_file(os.path.join(root, "metadata.json"), json.dumps(METADATA_JSON).encode(), sync=False)
-        write_file(os.path.join(root, ".metadata"), pickle.dumps(md))
+        out = {"common.pt": _save_bytes({}),  # bytes written with os calls, not torch.save(path): ENOSPC is exit 3
+               "metadata.json": json.dumps(METADATA_JSON).encode(), ".metadata": pickle.dumps(md)}
         if self.side_car is not None:
-            write_file(os.path.join(root, SIDE_CAR), json.dumps(self.side_car, indent=1).encode(), sync=False)
+            out[SIDE_CAR] = json.dumps(self.side_car, indent=1).encode()
+        return out
 
     def summary(self) -> dict:
         return {"files": len(self.files), "chunks": len(self.chunks), "objects": len(self.layout.objects),

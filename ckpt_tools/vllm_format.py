@@ -13,7 +13,7 @@ import os
 import torch
 
 from .driver import Destination
-from .hf import safetensors_files, tensor_bytes, write_side_files
+from .hf import safetensors_files, side_files, tensor_bytes
 from .layout import LayoutError, VllmParallel, boxes_disjoint_cover, numel
 
 VLLM_META = "vllm_layout.json"
@@ -91,23 +91,22 @@ class VllmDestination(Destination):
             raise LayoutError(f"internal: rank {r} {rec.what} is not covered exactly once: {why}")
         return ops
 
-    def finish(self, root: str):
+    def prepare(self) -> dict:
+        """config.json + tokenizer files in every directory vLLM is pointed at (and the top one, which verify
+        / inspect read), and ``vllm_layout.json``."""
         par, tp = self.par, self.par.tp
-        for d in self.dirs:  # every directory vLLM is pointed at needs config.json (+ tokenizer files)
-            os.makedirs(os.path.join(root, d), exist_ok=True)
-            write_side_files(self.side_dir, os.path.join(root, d), self.view.cfg.raw)
-        if "" not in self.dirs:  # the top directory too (verify / inspect read the config there)
-            write_side_files(self.side_dir, root, self.view.cfg.raw)
-        with open(os.path.join(root, VLLM_META), "w") as f:
-            json.dump({"format": "vllm sharded_state", "vllm_version": self.version, "tp": tp, "dp": par.dp,
-                       "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world,
-                       "dp_dirs": self.dp_dirs, "padded_vocab": self.dst.padded_vocab,
-                       "dtype": "+".join(sorted(self.dtypes)), "source": os.path.abspath(self.source),
-                       "serve": [f"vllm serve OUT{'/' + d if d else ''} --load-format sharded_state "
-                                 f"--tensor-parallel-size {tp}" for d in self.dirs],
-                       "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp, "file": self.rank_files[r]}
-                                 for r in range(par.world)]},
-                      f, indent=1)
+        side = side_files(self.side_dir, self.view.cfg.raw)
+        out = {os.path.join(d, fn): b for d in sorted(set(self.dirs) | {""}) for fn, b in side.items()}
+        out[VLLM_META] = json.dumps(
+            {"format": "vllm sharded_state", "vllm_version": self.version, "tp": tp, "dp": par.dp,
+             "expert_parallel": bool(par.ep > 1), "ep": par.ep, "world": par.world,
+             "dp_dirs": self.dp_dirs, "padded_vocab": self.dst.padded_vocab,
+             "dtype": "+".join(sorted(self.dtypes)), "source": os.path.abspath(self.source),
+             "serve": [f"vllm serve OUT{'/' + d if d else ''} --load-format sharded_state "
+                       f"--tensor-parallel-size {tp}" for d in self.dirs],
+             "ranks": [{"rank": r, "tp_rank": r % tp, "dp_rank": r // tp, "file": self.rank_files[r]}
+                       for r in range(par.world)]}, indent=1).encode()
+        return out
 
     def summary(self) -> dict:
         return {"ranks": self.par.world, "files": len(self.ranks), "dirs": self.dirs, "bytes": self.total,

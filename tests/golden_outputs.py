@@ -1,7 +1,7 @@
 """Golden outputs: the sha256 of every file each CLI direction writes from one tiny deterministic Qwen3-MoE.
 
-Issue 19 (one conversion driver) must not change a byte of any output. This module builds a tiny bf16 HF
-Qwen3-MoE with ``ckpt_tools.synth.make_tiny_hf`` (fixed seed), runs every direction below through
+Issue 19 (one conversion driver) must not change a byte of any output. This module copies a tiny bf16 HF
+Qwen3-MoE (``tests/fixtures/golden_source``, made by ``ckpt_tools.synth.make_tiny_hf`` with a fixed seed), runs every direction below through
 ``ckpt_tools.cli.main`` and hashes every file each run leaves in its own directory (the output and anything
 next to it, e.g. a leftover ``OUT.lock`` or ``OUT.partial-*``). ``tests/test_golden_outputs.py`` compares
 those hashes with ``tests/fixtures/golden_6271fa1.json``, recorded from main 6271fa1 with::
@@ -121,12 +121,27 @@ for _v in ("0.32.0", "0.10.1"):
     ]
 
 
-def make_source(d: str) -> str:
+# The source every direction starts from, shipped (1 MB): make_tiny_hf's output depends on transformers' random
+# initialisation and writes transformers' version into config.json, so the users'-versions lane (transformers 4.56)
+# would build another model. It is exactly what synth_source() wrote with torch 2.13.0 + transformers 5.19.0 (the
+# fixture's "versions"), so its hash is the fixture's "source".
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "golden_source")
+
+
+def synth_source(d: str) -> str:
+    """How SOURCE_DIR was made (``make_tiny_hf``, bf16, seed 19)."""
     import torch
 
     from ckpt_tools.synth import make_tiny_hf
 
     return make_tiny_hf(d, seed=SEED, dtype=torch.bfloat16)
+
+
+def make_source(d: str) -> str:
+    import shutil
+
+    shutil.copytree(SOURCE_DIR, d)
+    return d
 
 
 def sha256(b: bytes) -> str:

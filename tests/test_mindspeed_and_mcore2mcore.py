@@ -204,8 +204,10 @@ def test_reshard_to_mcore_errors(ckpts, tiny_hf, tmp_path, capsys):
     d, _ = ckpts
     out = str(tmp_path / "o")
     base = ["reshard", "--from", d["ms"], "--to", "mcore", "--out", out, "--no-progress"]
-    assert cli.main(base) == 2
-    assert "--hf-config" in capsys.readouterr().err
+    # no --hf-config: found through the checkpoint's own ckpt_tools.json "source" chain (issue 27), named
+    assert cli.main(base + ["--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp" in err and f"using the HF config in {tiny_hf}" in err, err
     assert cli.main(base + ["--hf-config", tiny_hf, "--tp", "3"]) == 2
     assert "--tp" in capsys.readouterr().err
     assert cli.main(base + ["--hf-config", tiny_hf, "--dp", "2"]) == 2
