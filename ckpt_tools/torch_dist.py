@@ -53,7 +53,7 @@ def dcp():
 # state_dict_metadata, planner_data, storage_data, storage_meta) and their reader keeps an extra attribute of the
 # unpickled object as it is. So the field is set as an attribute, as torch 2.13 itself does, on every torch: the
 # .metadata pickle is the same bytes whichever supported torch wrote it.
-SUPPORTED_TORCH = ">=2.6,<2.14 (tested: 2.7.1 and 2.13.0)"
+SUPPORTED_TORCH = ">=2.6,<2.14 (tested: 2.6.0, 2.7.1 and 2.13.0)"
 DCP_VERSION = "1.0.0"
 _METADATA_FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta")
 
