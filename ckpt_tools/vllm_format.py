@@ -23,8 +23,8 @@ def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int,
     """Global rank (dp_rank * tp + tp_rank) -> file (relative to the output dir) holding its parameters.
 
     vLLM's ShardedStateLoader names files by TP rank only (converters/vllm_names.py), so ranks of different DP
-    engines share a file unless ``dp_dirs`` (DP x expert parallel: their experts differ), which gives DP rank k
-    the directory ``dp_k``."""
+    engines share a file unless ``dp_dirs`` (a MoE model at DP > 1: their expert parts differ,
+    VllmParallel.moe_tp), which gives DP rank k the directory ``dp_k``."""
     from converters.vllm_names import file_name
 
     out = {}
@@ -36,7 +36,7 @@ def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int,
 
 class VllmDestination(Destination):
     """One safetensors file per vLLM rank laid out by ``dst`` (a :class:`~ckpt_tools.layout.VllmLayout`),
-    filled from the view ``view``; with DP > 1 and expert parallel a directory per DP rank (``dp_{k}``), else
+    filled from the view ``view``; for a MoE model at DP > 1 a directory per DP rank (``dp_{k}``), else
     the DP ranks' identical files written once. Each directory vLLM is pointed at gets config.json and the
     tokenizer files from ``side_dir``; ``dt_of(tensor segments)`` is each tensor's dtype."""
 
@@ -45,7 +45,7 @@ class VllmDestination(Destination):
     def __init__(self, dst, view, dt_of, version: str, side_dir: str, source: str):
         par = self.par = dst.par
         self.dst, self.view, self.version, self.side_dir, self.source = dst, view, version, side_dir, source
-        self.dp_dirs = par.dp > 1 and par.ep > 1  # DP ranks hold different experts: a directory per DP engine
+        self.dp_dirs = dst.dp_ranks_differ  # DP ranks hold different experts: a directory per DP engine
         self.rank_files = vllm_shard_files(par, dst.names, self.dp_dirs)
         first = {}  # one writer per file: without dp_dirs the DP ranks' files are the same, written once
         for r, rel in sorted(self.rank_files.items()):

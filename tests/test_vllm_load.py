@@ -36,7 +36,8 @@ def ckpts(tmp_path_factory):
     for name, src, kw in [("hf_tp2", hf, dict(tp=2)), ("mc_tp2", mc, dict(tp=2)),
                           ("hf_tp4", hf, dict(tp=4)), ("mc_tp4", mc, dict(tp=4)),
                           ("ep_dp1", mc, dict(tp=2, expert_parallel=True)),
-                          ("ep_dp2", mc, dict(tp=2, dp=2, expert_parallel=True))]:
+                          ("ep_dp2", mc, dict(tp=2, dp=2, expert_parallel=True)),
+                          ("dp2", mc, dict(tp=2, dp=2))]:
         out[name] = str(d / name)
         convert.reshard(src, out[name], hf_config=hf, progress=False, vllm_version="0.32.0", **kw)
     return out
@@ -78,14 +79,17 @@ def world2(ckpts, stale_shm):
 @pytest.fixture(scope="module")
 def world4(ckpts):
     """vLLM TP4 (8 q / 4 kv heads: one kv head per rank; vocab 250 padded to 256), and TP2 x DP2 with expert
-    parallel (EP4: each DP engine loads its own dp_k directory)."""
+    parallel (EP4: each DP engine loads its own dp_k directory), and TP2 x DP2 without expert parallel (vLLM cuts
+    each expert over TP x DP = 4: a dp_k directory per DP engine too)."""
     sh = dict(load_format="sharded_state")
     gen = dict(prompts=PROMPTS, max_tokens=MAX_TOKENS)
-    return dict(zip(["ref", "mc_tp4", "ep_ref", "ep_dp2"], run_vllm_jobs([
+    return dict(zip(["ref", "mc_tp4", "ep_ref", "ep_dp2", "dp_ref", "dp2"], run_vllm_jobs([
         dict(model_dir=ckpts["hf"], tp=4, **gen),
         dict(model_dir=ckpts["mc_tp4"], tp=4, **gen, **sh),
         dict(model_dir=ckpts["hf"], tp=2, dp=2, expert_parallel=True),
-        dict(model_dir=ckpts["ep_dp2"], tp=2, dp=2, expert_parallel=True, **sh)], timeout=900)))
+        dict(model_dir=ckpts["ep_dp2"], tp=2, dp=2, expert_parallel=True, **sh),
+        dict(model_dir=ckpts["hf"], tp=2, dp=2),
+        dict(model_dir=ckpts["dp2"], tp=2, dp=2, **sh)], timeout=1200)))
 
 
 def _same_params(got, want):
@@ -156,6 +160,19 @@ def test_expert_parallel_params_equal_vllms_own_load(ckpts, world2, world4, dp):
     assert not torch.equal(got[0][w13], got[-1][w13])
     if dp == 2:
         assert sorted(os.listdir(ckpts["ep_dp2"])).count("dp_1") == 1
+
+
+def test_data_parallel_without_expert_parallel_cuts_experts_over_tp_x_dp(ckpts, world4):
+    """vLLM flattens TP across DP for the experts when expert parallel is off (ckpt_tools/layout/topology.py
+    VllmParallel.moe_tp): at TP2 x DP2 each rank holds all 8 experts, each cut in 4, and the two DP engines hold
+    different parts; our dp_k directories equal its own HF load on every rank."""
+    got, want = world4["dp2"]["params"], world4["dp_ref"]["params"]
+    assert len(got) == 4
+    _same_params(got, want)
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    assert all(p[w13].shape == (8, 64 // 4, 64) for p in want)
+    assert not torch.equal(want[0][w13], want[2][w13])  # DP engines differ
+    assert sorted(f for f in os.listdir(ckpts["dp2"]) if f.startswith("dp_")) == ["dp_0", "dp_1"]
 
 
 # ------------------------------------------------------------------------ errors before vLLM is involved

@@ -8,7 +8,7 @@ which imports this file in each worker as ``__mp_main__`` before the worker runs
 at import, in every process. Each worker saves its parameters in checkpoint format (the state dict right after the
 loader filled it: vllm/model_executor/model_loader/base_loader.py ``load_model`` then calls
 ``process_weights_after_loading``, which on CPU repacks them; see tests/vllm_runner.py) as ``params_{tp_rank}.pt``
-in $CKPT_TEST_CAPTURE.
+and as the engine runs them, after that processing, as ``params_post_{tp_rank}.pt``, in $CKPT_TEST_CAPTURE.
 argv[1]: JSON {out, model, tp, expert_parallel, load_format, prompts, max_tokens, want_params}; writes engine.json
 ({"v1": whether vLLM chose its V1 engine}) and tokens.json.
 """
@@ -35,9 +35,14 @@ def _install_capture():
     def capture_then_process(model_, model_config, target_device):
         from vllm.distributed import get_tensor_model_parallel_rank
 
+        r = get_tensor_model_parallel_rank()
         sd = {k: v.detach().clone() for k, v in model_.state_dict().items()}
-        torch.save(sd, os.path.join(out, f"params_{get_tensor_model_parallel_rank()}.pt"))
-        return original(model_, model_config, target_device)
+        torch.save(sd, os.path.join(out, f"params_{r}.pt"))
+        ret = original(model_, model_config, target_device)
+        # and as the engine runs them (after the CPU backend's repacking)
+        sd = {k: v.detach().clone() for k, v in model_.state_dict().items()}
+        torch.save(sd, os.path.join(out, f"params_post_{r}.pt"))
+        return ret
 
     base_loader.process_weights_after_loading = capture_then_process
 

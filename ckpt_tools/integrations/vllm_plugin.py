@@ -10,8 +10,8 @@ it acts only when ``load_format`` is ``sharded_state`` *and* the model directory
 (vLLM's own ``save_sharded_state`` output, hub names and every other load format are left alone). For those:
 
 1. **The version and topology check** (every vLLM): the record's ``vllm_version`` (our naming-table key:
-   converters/vllm_names.py) must be the running vLLM's, and its TP size the engine's; a directory of a DP x EP
-   layout must be loaded through its ``dp_N`` directories. Otherwise a one-line ``ValueError`` naming both
+   converters/vllm_names.py) must be the running vLLM's, and its TP size the engine's; a directory of a DP layout
+   (MoE at DP > 1) must be loaded through its ``dp_N`` directories. Otherwise a one-line ``ValueError`` naming both
    (without it, files written for 0.32 fail inside vLLM 0.10.1 with a bare ``KeyError:
    'model.layers.0.mlp.experts.gate.weight'``). A running vLLM that is not in our naming table is logged, not refused.
 2. **The engine choice** (only where vLLM's ``EngineArgs._is_v1_supported_oracle`` refuses sharded_state: vLLM
@@ -86,8 +86,8 @@ def check(model, running_version: str, tp: int | None) -> dict | None:
                           f"{running_version}: rewrite it with `ckpt-tools reshard --to vllm --vllm-version "
                           f"{running}` (the tensor names differ by version)")
     if rec.get("dp_dirs") and not sub:
-        raise WrongLayout(f"ckpt-tools: {model} holds one directory per DP engine (DP {rec.get('dp')} x expert "
-                          f"parallel): point each engine at {os.path.join(model, 'dp_<rank>')}")
+        raise WrongLayout(f"ckpt-tools: {model} holds one directory per DP engine (DP {rec.get('dp')}: their "
+                          f"expert parts differ): point each engine at {os.path.join(model, 'dp_<rank>')}")
     if tp is not None and rec.get("tp") is not None and int(tp) != int(rec["tp"]):
         raise WrongLayout(f"ckpt-tools: {model} was written for tensor parallel {rec['tp']} ({path}) but this "
                           f"engine has tensor_parallel_size {tp}: rewrite it with `ckpt-tools reshard --to vllm "

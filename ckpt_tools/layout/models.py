@@ -305,7 +305,10 @@ class VllmLayout:
         if cfg.is_moe and par.ep > cfg.experts:
             raise LayoutError(f"expert parallel size {par.ep} exceeds num_experts ({cfg.experts})")
         if cfg.is_moe and cfg.moe_ffn % par.moe_tp:
-            raise LayoutError(f"moe_intermediate_size ({cfg.moe_ffn}) is not divisible by --tp ({par.moe_tp})")
+            what = "--tp" if par.dp == 1 or par.ep > 1 else "--tp x --dp (vLLM cuts experts over both without expert parallel)"
+            raise LayoutError(f"moe_intermediate_size ({cfg.moe_ffn}) is not divisible by {what} ({par.moe_tp})")
+        # DP engines of a MoE model hold different expert parts (expert parallel or not: VllmParallel.moe_tp)
+        self.dp_ranks_differ = par.dp > 1 and cfg.is_moe
         self.ranks: list[dict[str, TensorSpec]] = []
         self.padded_vocab, self.vocab_per_rank = pad_vocab(cfg.vocab, t)
         for rank in range(par.world):
@@ -385,13 +388,9 @@ class VllmLayout:
             return (2 * n, H), segs
         if rule in ("w13", "w2"):
             F, H = cfg.moe_ffn, cfg.hidden
-            if par.ep > 1:
-                e0, e1 = vllm_expert_range(cfg.experts, par.ep, rank)
-                mt_rank, mt = 0, 1
-            else:
-                e0, e1 = 0, cfg.experts
-                mt_rank, mt = tp_rank, t
-            a, b = split_range(F, mt, "--tp", "moe_intermediate_size")[mt_rank]
+            e0, e1 = vllm_expert_range(cfg.experts, par.ep, rank) if par.ep > 1 else (0, cfg.experts)
+            what = "--tp" if par.dp == 1 else "--tp x --dp"
+            a, b = split_range(F, par.moe_tp, what, "moe_intermediate_size")[par.moe_tp_rank(rank)]
             n = b - a
             for j, e in enumerate(range(e0, e1)):
                 if rule == "w13":

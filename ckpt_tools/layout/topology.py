@@ -229,9 +229,12 @@ def megatron_chunks(key: str, shape: Sequence[int], lead: Sequence[int], shard: 
 class VllmParallel:
     """vLLM rollout layout: tensor parallel ``tp``, data parallel ``dp``, expert parallel on/off.
 
-    vllm/model_executor/layers/fused_moe/config.py (FusedMoEParallelConfig.make): with
+    vllm/model_executor/layers/fused_moe/config.py (FusedMoEParallelConfig.make, vLLM 0.10.1 and 0.32): with
     enable_expert_parallel and tp*dp > 1, EP size = tp*dp, ep_rank = dp_rank*tp + tp_rank, and the
-    MoE layers run with TP 1; otherwise experts are TP-sharded on the intermediate dim."""
+    MoE layers run with TP 1; otherwise the experts are cut on the intermediate dim over TP *flattened across DP*
+    (``flatten_tp_across_dp`` in 0.10.1, ``flatten_tp_across_dp_and_pcp`` in 0.32 with prefill context parallel
+    1): size tp*dp, rank dp_rank*tp + tp_rank, so the DP engines of a MoE model hold different expert slices
+    with or without expert parallel."""
 
     tp: int
     dp: int = 1
@@ -247,7 +250,12 @@ class VllmParallel:
 
     @property
     def moe_tp(self) -> int:
-        return 1 if self.ep > 1 else self.tp
+        """How many parts each expert is cut in (its intermediate dim): 1 under expert parallel, else TP x DP."""
+        return 1 if self.ep > 1 else self.tp * self.dp
+
+    def moe_tp_rank(self, rank: int) -> int:
+        """Global rank ``rank``'s part among :attr:`moe_tp` (vLLM's flattened rank dp_rank * tp + tp_rank)."""
+        return 0 if self.ep > 1 else rank
 
     def describe(self) -> str:
         return f"vLLM TP{self.tp} x DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")

