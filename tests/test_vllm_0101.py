@@ -18,9 +18,8 @@ import tempfile
 import pytest
 import torch
 
-from ckpt_tools import convert
-from ckpt_tools.synth import TINY_VLLM, make_tiny_hf
 from converters import vllm_names
+from vllm_helper import make_ckpts
 
 vllm = pytest.importorskip("vllm")
 _installed = vllm_names.installed_version() or ""
@@ -79,18 +78,10 @@ def assert_same_params(ref, got):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vllm0101")
-    hf = make_tiny_hf(str(d / "hf"), dtype=torch.bfloat16, seed=3, **TINY_VLLM)
-    mc = str(d / "mcore")
-    convert.hf2mcore(hf, mc, pp=2, tp=2, ep=2, progress=False)
-    out = {"hf": hf}
-    for name, src, kw in [("hf_tp2", hf, dict(tp=2)), ("mc_tp2", mc, dict(tp=2)),
-                          ("mc_ep", mc, dict(tp=2, expert_parallel=True)),
-                          ("for_032", hf, dict(tp=2, vllm_version="0.32.0"))]:
-        out[name] = str(d / name)
-        kw.setdefault("vllm_version", "0.10.1")
-        convert.reshard(src, out[name], hf_config=hf, progress=False, **kw)
-    return out
+    return make_ckpts(tmp_path_factory.mktemp("vllm0101"), [
+        ("hf_tp2", "hf", dict(tp=2)), ("mc_tp2", "mcore", dict(tp=2)),
+        ("mc_ep", "mcore", dict(tp=2, expert_parallel=True)),
+        ("for_032", "hf", dict(tp=2, vllm_version="0.32.0"))], "0.10.1")
 
 
 @pytest.fixture(scope="module")

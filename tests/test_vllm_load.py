@@ -15,9 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tools import convert
-from ckpt_tools.synth import TINY_VLLM, make_tiny_hf
 from converters import vllm_names
-from vllm_helper import ROOT, run_vllm_jobs
+from vllm_helper import ROOT, make_ckpts, run_vllm_jobs
 
 pytestmark = pytest.mark.vllm
 
@@ -28,19 +27,12 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """HF tiny model, its Megatron checkpoint, and our vLLM outputs from both sources."""
-    d = tmp_path_factory.mktemp("vllm_load")
-    hf = make_tiny_hf(str(d / "hf"), dtype=torch.bfloat16, seed=3, **TINY_VLLM)
-    mc = str(d / "mcore")
-    convert.hf2mcore(hf, mc, pp=2, tp=2, ep=2, progress=False)
-    out = {"hf": hf, "mcore": mc}
-    for name, src, kw in [("hf_tp2", hf, dict(tp=2)), ("mc_tp2", mc, dict(tp=2)),
-                          ("hf_tp4", hf, dict(tp=4)), ("mc_tp4", mc, dict(tp=4)),
-                          ("ep_dp1", mc, dict(tp=2, expert_parallel=True)),
-                          ("ep_dp2", mc, dict(tp=2, dp=2, expert_parallel=True)),
-                          ("dp2", mc, dict(tp=2, dp=2))]:
-        out[name] = str(d / name)
-        convert.reshard(src, out[name], hf_config=hf, progress=False, vllm_version="0.32.0", **kw)
-    return out
+    return make_ckpts(tmp_path_factory.mktemp("vllm_load"), [
+        ("hf_tp2", "hf", dict(tp=2)), ("mc_tp2", "mcore", dict(tp=2)),
+        ("hf_tp4", "hf", dict(tp=4)), ("mc_tp4", "mcore", dict(tp=4)),
+        ("ep_dp1", "mcore", dict(tp=2, expert_parallel=True)),
+        ("ep_dp2", "mcore", dict(tp=2, dp=2, expert_parallel=True)),
+        ("dp2", "mcore", dict(tp=2, dp=2))], "0.32.0")
 
 
 @pytest.fixture(scope="module")

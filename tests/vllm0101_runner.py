@@ -28,23 +28,14 @@ def _install_capture():
     if not out:
         return
     import torch
-    import vllm.model_executor.model_loader.base_loader as base_loader
+    from vllm.distributed import get_tensor_model_parallel_rank
 
-    original = base_loader.process_weights_after_loading
+    from ckpt_tools.testing.vllm import capture_loaded_state
 
-    def capture_then_process(model_, model_config, target_device):
-        from vllm.distributed import get_tensor_model_parallel_rank
+    def saver(stem):
+        return lambda state: torch.save(state, os.path.join(out, f"{stem}_{get_tensor_model_parallel_rank()}.pt"))
 
-        r = get_tensor_model_parallel_rank()
-        sd = {k: v.detach().clone() for k, v in model_.state_dict().items()}
-        torch.save(sd, os.path.join(out, f"params_{r}.pt"))
-        ret = original(model_, model_config, target_device)
-        # and as the engine runs them (after the CPU backend's repacking)
-        sd = {k: v.detach().clone() for k, v in model_.state_dict().items()}
-        torch.save(sd, os.path.join(out, f"params_post_{r}.pt"))
-        return ret
-
-    base_loader.process_weights_after_loading = capture_then_process
+    capture_loaded_state(saver("params"), saver("params_post"))
 
 
 def main():
@@ -55,8 +46,9 @@ def main():
         _install_capture()  # here; the spawned workers install it when they import this file
 
     import vllm.envs as envs
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
+
+    from ckpt_tools.testing.vllm import generate
 
     llm = LLM(model=a["model"], tensor_parallel_size=a["tp"], enable_expert_parallel=a["expert_parallel"],
               load_format=a["load_format"], skip_tokenizer_init=True, enforce_eager=True, seed=0,
@@ -64,10 +56,9 @@ def main():
     with open(os.path.join(out, "engine.json"), "w") as f:
         json.dump({"v1": bool(envs.VLLM_USE_V1)}, f)
     if a["prompts"]:
-        sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True)
-        res = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in a["prompts"]], sp, use_tqdm=False)
+        tokens = generate(llm, a["prompts"], a["max_tokens"])
         with open(os.path.join(out, "tokens.json"), "w") as f:
-            json.dump([list(r.outputs[0].token_ids) for r in res], f)
+            json.dump(tokens, f)
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's teardown (slow; its workers die with this process group)
 

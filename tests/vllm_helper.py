@@ -21,6 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from ckpt_tools import convert  # noqa: E402
+from ckpt_tools.synth import TINY_VLLM, make_tiny_hf  # noqa: E402
 from ckpt_tools.testing import free_port  # noqa: E402
 from ckpt_tools.testing.vllm import rank_env, shm_tag  # noqa: E402
 
@@ -29,6 +31,22 @@ def vllm_available() -> bool:
     from importlib.util import find_spec
 
     return find_spec("vllm") is not None
+
+
+def make_ckpts(d, outputs, vllm_version: str) -> dict:
+    """Under directory ``d``: the tiny HF model of the vLLM tests (bf16, seed 3, TINY_VLLM), its Megatron
+    checkpoint (PP2 x TP2 x EP2) and our ``reshard --to vllm`` outputs ``[(name, "hf" | "mcore", reshard
+    kwargs)]`` for ``vllm_version`` (unless the kwargs name another) -> {"hf", "mcore", name: path}."""
+    import torch
+
+    out = {"hf": make_tiny_hf(os.path.join(str(d), "hf"), dtype=torch.bfloat16, seed=3, **TINY_VLLM),
+           "mcore": os.path.join(str(d), "mcore")}
+    convert.hf2mcore(out["hf"], out["mcore"], pp=2, tp=2, ep=2, progress=False)
+    for name, src, kw in outputs:
+        out[name] = os.path.join(str(d), name)
+        convert.reshard(out[src], out[name], hf_config=out["hf"], progress=False,
+                        **{"vllm_version": vllm_version, **kw})
+    return out
 
 
 def run_vllm(model_dir, tp=1, dp=1, expert_parallel=False, load_format="auto", prompts=None, max_tokens=8,

@@ -46,16 +46,10 @@ def main():
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
 
-    import vllm.model_executor.model_loader.base_loader as base_loader
+    from ckpt_tools.testing.vllm import capture_loaded_state
 
     captured = {}
-    original = base_loader.process_weights_after_loading
-
-    def capture_then_process(model_, model_config, target_device):
-        captured.update({k: v.detach().clone() for k, v in model_.state_dict().items()})
-        return original(model_, model_config, target_device)
-
-    base_loader.process_weights_after_loading = capture_then_process
+    capture_loaded_state(captured.update)
 
     for i, a in enumerate(spec["jobs"]):
         out = os.path.join(spec["out"], f"job_{i}")

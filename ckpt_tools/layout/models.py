@@ -304,9 +304,12 @@ class VllmLayout:
             raise LayoutError(f"--tp ({t}) and num_key_value_heads ({cfg.kv_heads}) must divide one another")
         if cfg.is_moe and par.ep > cfg.experts:
             raise LayoutError(f"expert parallel size {par.ep} exceeds num_experts ({cfg.experts})")
+        # the flags whose product cuts each expert (VllmParallel.moe_tp), for the errors below and in _rule
+        self._moe_cut = ("--tp" if par.dp == 1 or par.ep > 1 else
+                         "--tp x --dp (vLLM cuts experts over both without expert parallel)")
         if cfg.is_moe and cfg.moe_ffn % par.moe_tp:
-            what = "--tp" if par.dp == 1 or par.ep > 1 else "--tp x --dp (vLLM cuts experts over both without expert parallel)"
-            raise LayoutError(f"moe_intermediate_size ({cfg.moe_ffn}) is not divisible by {what} ({par.moe_tp})")
+            raise LayoutError(f"moe_intermediate_size ({cfg.moe_ffn}) is not divisible by {self._moe_cut} "
+                              f"({par.moe_tp})")
         # DP engines of a MoE model hold different expert parts (expert parallel or not: VllmParallel.moe_tp)
         self.dp_ranks_differ = par.dp > 1 and cfg.is_moe
         self.ranks: list[dict[str, TensorSpec]] = []
@@ -389,8 +392,7 @@ class VllmLayout:
         if rule in ("w13", "w2"):
             F, H = cfg.moe_ffn, cfg.hidden
             e0, e1 = vllm_expert_range(cfg.experts, par.ep, rank) if par.ep > 1 else (0, cfg.experts)
-            what = "--tp" if par.dp == 1 else "--tp x --dp"
-            a, b = split_range(F, par.moe_tp, what, "moe_intermediate_size")[par.moe_tp_rank(rank)]
+            a, b = split_range(F, par.moe_tp, self._moe_cut, "moe_intermediate_size")[par.moe_tp_rank(rank)]
             n = b - a
             for j, e in enumerate(range(e0, e1)):
                 if rule == "w13":

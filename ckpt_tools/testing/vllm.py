@@ -95,6 +95,28 @@ def _keep_cpu_linear_weights() -> None:
         _custom_ops._supports_onednn = False
 
 
+def capture_loaded_state(loaded, processed=None) -> None:
+    """In this process, call ``loaded(state)`` with a copy of each model's state dict once vLLM's loader has
+    filled it, in checkpoint format (vllm/model_executor/model_loader/base_loader.py ``load_model`` then calls
+    ``process_weights_after_loading``, which on CPU repacks the weights into kernel format), and
+    ``processed(state)`` with a copy after that processing, as the engine runs them (if given)."""
+    import vllm.model_executor.model_loader.base_loader as base_loader
+
+    original = base_loader.process_weights_after_loading
+
+    def snapshot(model):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def capture_then_process(model, model_config, target_device):
+        loaded(snapshot(model))
+        ret = original(model, model_config, target_device)
+        if processed is not None:
+            processed(snapshot(model))
+        return ret
+
+    base_loader.process_weights_after_loading = capture_then_process
+
+
 def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_model_len: int = 64,
               max_num_seqs: int = 2, **kw):
     """``vllm.LLM`` for this rank (call in every rank of the world, with :func:`rank_env` in ``os.environ``):
