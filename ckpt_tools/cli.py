@@ -7,33 +7,37 @@ import signal
 import sys
 import threading
 
-from .progress import parse_size
-
+from . import numbers
 from .errors import EXIT_CODES, Terminated, describe_oserror, exit_code
 
 EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
           "Exit codes: " + "; ".join(f"{c} {m.replace('`', '')}" for c, m in EXIT_CODES) + ".")
 
 
+COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT = (numbers.arg(k) for k in (numbers.COUNT, numbers.SIZE, numbers.POSITIVE,
+                                                                          numbers.NONNEGATIVE, numbers.TIMEOUT))
+
+
 def _layers(s):
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        return [numbers.check(x, numbers.COUNT, "entry") for x in s.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layer-list must be comma-separated integers (got {s!r})") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers from 1 to {numbers.MAX_COUNT} "
+                                         f"(got {s!r})") from None
 
 
 def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec_default="te", vocab_note=""):
     """The Megatron target flags (hf2mcore; reshard --to mcore, where --tp/--ep are shared with the vLLM target and
     defined by reshard itself, and --spec defaults to None so that --to vllm can refuse it)."""
     g = p.add_argument_group(title)
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    g.add_argument("--pp", type=COUNT, default=1, help="pipeline-parallel size (default 1)")
     if tp_ep:
-        g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-        g.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
-    g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: = --tp, megatron's default)")
-    g.add_argument("--num-layers-in-first-pipeline-stage", type=int, default=None, dest="first",
+        g.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel size (default 1)")
+        g.add_argument("--ep", type=COUNT, default=1, help="expert-parallel size (default 1)")
+    g.add_argument("--etp", type=COUNT, default=None, help="expert tensor-parallel size (default: = --tp, megatron's default)")
+    g.add_argument("--num-layers-in-first-pipeline-stage", type=COUNT, default=None, dest="first",
                    help="uneven PP: layers on stage 0 (megatron's flag of the same name)")
-    g.add_argument("--num-layers-in-last-pipeline-stage", type=int, default=None, dest="last",
+    g.add_argument("--num-layers-in-last-pipeline-stage", type=COUNT, default=None, dest="last",
                    help="uneven PP: layers on the last stage")
     g.add_argument("--layer-list", type=_layers, default=None,
                    help="explicit layers per stage, e.g. 11,12,12,12,12,12,12,11 (must sum to the layer count)")
@@ -43,7 +47,7 @@ def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec
                         "StrictHandling.RAISE_ALL there) or local (megatron-core modules). Default te: its object "
                         "set is a superset of mindspeed's, so it loads under verl on GPU and NPU alike (verl loads "
                         "with ASSUME_OK_UNEXPECTED, which ignores objects the model does not ask for)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_div",
+    g.add_argument("--make-vocab-size-divisible-by", type=COUNT, default=None, dest="vocab_div",
                    help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl" + vocab_note + ")")
 
 
@@ -51,14 +55,14 @@ def _add_io(p):
     p.add_argument("--buffered-io", action="store_true",
                    help="read and write through the page cache only (default: long contiguous runs are read and "
                         "written with O_DIRECT, falling back by itself where the file system refuses it)")
-    p.add_argument("--io-threads", type=int, default=8,
+    p.add_argument("--io-threads", type=COUNT, default=8,
                    help="O_DIRECT requests in flight, shared by the workers (default 8; direct I/O has no kernel "
                         "readahead or write-behind, so a disk needs several)")
     _add_dist(p)
 
 
 def _add_dist(p):
-    p.add_argument("--dist-timeout", type=float, default=None,
+    p.add_argument("--dist-timeout", type=TIMEOUT, default=None,
                    help="under torchrun (every rank writes or checks its share; detected from RANK/WORLD_SIZE): "
                         "seconds a rank may be silent, or the others late at a step, before the job stops "
                         "(default 300)")
@@ -77,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="saved dtype of every tensor (default: each tensor's stored dtype; a key fused from tensors "
                         "of different dtypes takes the widest)")
-    p.add_argument("--workers", type=int, default=2, help="parallel writer threads, one file at a time each (default 2)")
-    p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
+    p.add_argument("--workers", type=COUNT, default=2, help="parallel writer threads, one file at a time each (default 2)")
+    p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
@@ -93,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "records; which one is said)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="output dtype of every tensor (default: each tensor's stored dtype, e.g. fp32 norms stay fp32)")
-    p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="max bytes per safetensors shard (default 5GB)")
+    p.add_argument("--max-shard-size", type=SIZE, default="5GB", help="max bytes per safetensors shard (default 5GB)")
     p.add_argument("--prefix", default=None, help="key prefix of the model tensors (default: auto-detect)")
-    p.add_argument("--workers", type=int, default=2, help="parallel shard writers (default 2)")
-    p.add_argument("--max-memory", type=parse_size, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
+    p.add_argument("--workers", type=COUNT, default=2, help="parallel shard writers (default 2)")
+    p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
@@ -113,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "files, vllm_layout.json; serve with vllm serve OUT --load-format "
                                                  "sharded_state --tensor-parallel-size T (--to mcore: a dist-checkpoint "
                                                  "dir as hf2mcore writes)")
-    p.add_argument("--tp", type=int, default=None, help="vLLM tensor-parallel size (required for --to vllm); "
+    p.add_argument("--tp", type=COUNT, default=None, help="vLLM tensor-parallel size (required for --to vllm); "
                                                         "--to mcore: Megatron TP (default 1)")
-    p.add_argument("--dp", type=int, default=1, help="vLLM data-parallel size (default 1)")
+    p.add_argument("--dp", type=COUNT, default=None, help="vLLM data-parallel size (default 1; with --ep: EP / TP)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM expert parallel: EP = TP x DP, MoE TP 1")
-    p.add_argument("--ep", type=int, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp); "
+    p.add_argument("--ep", type=COUNT, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp); "
                                                         "--to mcore: Megatron EP (default 1)")
     p.add_argument("--vllm-version", default=None,
                    help="the vLLM that will load it, as vllm.__version__ prints it (its file and tensor names and "
@@ -132,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of every shard tensor (default: each tensor's stored dtype; a fused tensor "
                         "(qkv, w13) of parts in different dtypes takes the widest)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-memory", type=parse_size, default="4GiB")
+    p.add_argument("--workers", type=COUNT, default=2)
+    p.add_argument("--max-memory", type=SIZE, default="4GiB")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
@@ -150,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-cast", action="store_true",
                    help="compare tensors stored in different dtypes after casting both to the narrower one and "
                         "count how many were rounded (default: a dtype difference is a difference)")
-    p.add_argument("--max-memory", type=parse_size, default="1GiB",
+    p.add_argument("--max-memory", type=SIZE, default="1GiB",
                    help="bound on the comparison buffers: tensors are compared in row blocks of about this "
                         "size / 24 elements (default 1GiB; resident memory is this plus the interpreter)")
     p.add_argument("--no-progress", action="store_true")
@@ -160,42 +164,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="HF config.json / model dir, or the preset 'qwen3-235b-a22b'")
     _add_megatron_topology(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--disk-gbps", type=float, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
+    p.add_argument("--disk-gbps", type=POSITIVE, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
                         "time (cp -r DIR X && sync) moves 2 x DIR's size (default 2.0)")
     g = p.add_argument_group("distributed conversion (torchrun: every rank writes its share)")
-    g.add_argument("--nodes", type=int, default=None,
+    g.add_argument("--nodes", type=COUNT, default=None,
                    help="predict the conversion and verify times under torchrun on this many nodes")
-    g.add_argument("--procs-per-node", type=int, default=8, help="ranks per node (torchrun --nproc-per-node; default 8)")
-    g.add_argument("--node-gbps", type=float, default=25.0,
+    g.add_argument("--procs-per-node", type=COUNT, default=8, help="ranks per node (torchrun --nproc-per-node; default 8)")
+    g.add_argument("--node-gbps", type=POSITIVE, default=25.0,
                    help="each node's link to the shared file system in GB/s, each direction (default 25 = 200 Gb/s)")
-    g.add_argument("--fs-gbps", type=float, default=50.0,
+    g.add_argument("--fs-gbps", type=POSITIVE, default=50.0,
                    help="the shared file system's aggregate throughput in GB/s, reads and writes together "
                         "(default 50)")
-    g.add_argument("--proc-gbps", type=float, default=1.0,
+    g.add_argument("--proc-gbps", type=POSITIVE, default=1.0,
                    help="one process's copy rate in GB/s, read+write (default 1.0; scripts/bench.py measures it)")
-    p.add_argument("--vllm-tp", type=int, default=None, help="also plan vLLM shards at this TP")
-    p.add_argument("--vllm-dp", type=int, default=None, help="vLLM data-parallel size (default 1)")
+    p.add_argument("--vllm-tp", type=COUNT, default=None, help="also plan vLLM shards at this TP")
+    p.add_argument("--vllm-dp", type=COUNT, default=None, help="vLLM data-parallel size (default 1)")
     p.add_argument("--vllm-expert-parallel", action="store_true",
                    help="vLLM expert parallel: EP = --vllm-tp x --vllm-dp, MoE layers at TP 1")
-    p.add_argument("--vllm-ep", type=int, default=None, help="shorthand: expert parallel of this size (= TP x DP; sets --vllm-dp)")
+    p.add_argument("--vllm-ep", type=COUNT, default=None, help="shorthand: expert parallel of this size (= TP x DP; sets --vllm-dp)")
     g = p.add_argument_group("weight sync (RL: the Megatron actor's live weights into the vLLM rollout)")
     g.add_argument("--sync", action="store_true",
                    help="plan the weight sync from the Megatron topology to the vLLM one (needs --vllm-tp): bytes per "
                         "rollout and actor rank, bytes crossing nodes, messages and a predicted time, next to the "
                         "verl-style method (every rank gathers every full tensor)")
-    g.add_argument("--rollout-replicas", type=int, default=None,
+    g.add_argument("--rollout-replicas", type=COUNT, default=None,
                    help="vLLM instances, each receiving the full weights; colocated on the actor's ranks (verl's "
                         "hybrid engine) (default: actor ranks / vLLM ranks, e.g. 128 / (TP8 x DP8) = 2)")
-    g.add_argument("--ranks-per-node", type=int, default=8, help="devices per node: ranks r and s share a node iff "
+    g.add_argument("--ranks-per-node", type=COUNT, default=8, help="devices per node: ranks r and s share a node iff "
                                                                     "r // N == s // N (default 8)")
-    g.add_argument("--intra-node-gbps", type=float, default=None,
+    g.add_argument("--intra-node-gbps", type=POSITIVE, default=None,
                    help="per-device intra-node bandwidth in GB/s, one direction (default 100: NVLink / HCCS class)")
-    g.add_argument("--inter-node-gbps", type=float, default=None,
+    g.add_argument("--inter-node-gbps", type=POSITIVE, default=None,
                    help="per-device inter-node bandwidth in GB/s, one direction (default 25 = a 200 Gb/s NIC per device; "
                         "50 for 400 Gb/s)")
-    g.add_argument("--latency-us", type=float, default=None,
+    g.add_argument("--latency-us", type=NONNEGATIVE, default=None,
                    help="latency per point-to-point step of a collective and per bucket exchange, in us (default 30)")
-    g.add_argument("--bucket-size", type=parse_size, default="256MiB",
+    g.add_argument("--bucket-size", type=SIZE, default="256MiB",
                    help="bound on each rank's sync buffers per bucket (default 256MiB)")
     p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
 

@@ -138,7 +138,8 @@ def cmd_mcore2hf(args) -> int:
 
 
 def cmd_reshard_mcore(args) -> int:
-    vllm_only = [f for f, v in (("--dp", args.dp != 1), ("--enable-expert-parallel", args.enable_expert_parallel)) if v]
+    vllm_only = [f for f, v in (("--dp", args.dp is not None),
+                                ("--enable-expert-parallel", args.enable_expert_parallel)) if v]
     if vllm_only:
         print(f"ckpt-tools reshard: error: {vllm_only[0]} is a vLLM flag; --to mcore takes --pp/--tp/--ep/--etp",
               file=sys.stderr)
@@ -253,7 +254,7 @@ def _plan_distributed(args, p):
 
 def cmd_plan(args) -> int:
     from .convert import DTYPES, megatron_parallel
-    from .layout import LayoutError, VllmParallel
+    from .layout import PLAN_FLAGS, LayoutError, vllm_parallel
     from .plan import STARTUP_SECONDS, plan_megatron, plan_vllm
 
     cfg = load_config(args.config)
@@ -276,17 +277,12 @@ def cmd_plan(args) -> int:
         _plan_distributed(args, p)
     if args.sync and not args.vllm_tp:
         raise LayoutError("--sync needs --vllm-tp (the rollout topology)")
+    vllm_only = [f for f, v in (("--vllm-dp", args.vllm_dp), ("--vllm-ep", args.vllm_ep),
+                                ("--vllm-expert-parallel", args.vllm_expert_parallel)) if v]
+    if vllm_only and not args.vllm_tp:
+        raise LayoutError(f"{vllm_only[0]} needs --vllm-tp (the vLLM layout to plan)")
     if args.vllm_tp:
-        ep = args.vllm_ep
-        if ep:
-            if ep % args.vllm_tp or (args.vllm_dp and args.vllm_dp != ep // args.vllm_tp):
-                raise LayoutError(f"--vllm-ep {ep} must equal --vllm-tp x --vllm-dp "
-                                  f"({args.vllm_tp} x {args.vllm_dp or ep / args.vllm_tp})")
-            vp = VllmParallel(args.vllm_tp, ep // args.vllm_tp, ep > 1)
-        else:
-            vp = VllmParallel(args.vllm_tp, args.vllm_dp or 1, args.vllm_expert_parallel)
-        if vp.dp < 1:
-            raise LayoutError(f"--vllm-dp must be >= 1 (got {vp.dp})")
+        vp = vllm_parallel(args.vllm_tp, args.vllm_dp, args.vllm_expert_parallel, args.vllm_ep, PLAN_FLAGS)
         v = plan_vllm(cfg, vp, nbytes)
         p["vllm"] = v
         print(f"{v['layout']}: padded vocab {v['padded_vocab']}, per rank "

@@ -12,7 +12,7 @@ import torch
 
 from .driver import Job, Options, convert
 from .hf import HFDestination
-from .layout import LayoutError, MegatronLayout, MegatronParallel, VllmLayout, VllmParallel, box_numel, numel
+from .layout import LayoutError, MegatronLayout, MegatronParallel, VllmLayout, box_numel, numel, vllm_parallel
 from .model_config import load_config
 from .torch_dist import TorchDistDestination
 from .views import FormatError, HFView, McoreView, open_view, widest
@@ -177,7 +177,7 @@ def open_source(path: str, hf_config: str | None, prefix=None):
     return open_view(path, cfg, prefix=prefix)
 
 
-def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = False, ep: int | None = None,
+def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel: bool = False, ep: int | None = None,
             hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
             max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None,
             dist_timeout=None) -> dict:
@@ -187,6 +187,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
     config/tokenizer files and ``vllm_layout.json``."""
     inputs = {"--from": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
+    par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
     _guard(out, "vllm", inputs, opts)
     from converters import vllm_names
 
@@ -194,10 +195,6 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         version, names = vllm_names.table(vllm_version)
     except vllm_names.UnknownVersion as e:
         raise LayoutError(str(e)) from None
-    if ep is not None:
-        if ep % tp:
-            raise LayoutError(f"--ep ({ep}) must be a multiple of --tp ({tp}): vLLM's EP size is TP x DP")
-        dp, expert_parallel = ep // tp, ep > 1
     dt = _dtype(dtype, None)  # None: each tensor in its stored dtype (fused tensors: the widest of their parts)
 
     def destination(view):
@@ -207,7 +204,7 @@ def reshard(src: str, out: str, tp: int, dp: int = 1, expert_parallel: bool = Fa
         def dt_of(ts):
             return dt or widest(view.dtype_of(sg.hf) for sg in ts.segments) or torch.bfloat16
 
-        return VllmDestination(VllmLayout(view.cfg, VllmParallel(tp, dp, expert_parallel), names), view, dt_of,
+        return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,
                                version, _side_dir(hf_config or src), src)
 
     return convert(Job(out, "vllm", "reshard", inputs, src, lambda: open_source(src, hf_config, prefix),

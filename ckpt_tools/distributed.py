@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 
+from . import numbers
 from .errors import InputError, PeerFailed
 from .fsutil import boot_id as _boot_id
 
@@ -342,13 +343,10 @@ def _diff(a, b) -> str:
 
 def join(timeout: float | None = None) -> Group | None:
     """The ranks of this command (started, arguments agreed), or None for one process."""
+    timeout = numbers.check(TIMEOUT if timeout is None else timeout, numbers.TIMEOUT, "--dist-timeout", InputError)
     rank, nranks = world()
     if nranks <= 1:
         return None
-    if timeout is None:
-        timeout = TIMEOUT
-    if timeout <= 0:
-        raise InputError(f"--dist-timeout must be > 0 (got {timeout:g})")
     g = Group(rank, nranks, timeout)
     try:
         g.start()

@@ -19,9 +19,10 @@ OK, DIFFERENT, BAD_INPUT, ENVIRONMENT, PEER = 0, 1, 2, 3, 4
 
 EXIT_CODES = (
     (OK, "done (`verify`: no difference)"),
-    (DIFFERENT, "`verify` found a difference, a missing/extra key, a coverage gap or (single-side) a structure "
-                "problem, a malformed manifest or a checksum mismatch; a conversion's source does not match its "
-                "own manifest (nothing written)"),
+    (DIFFERENT, "`verify` found a difference, a missing/extra key, a coverage gap (0 tensors compared included) "
+                "or (single-side) a structure problem, a malformed manifest, a checksum mismatch or a ckpt-tools "
+                "output without its manifest (its data cannot be checked); a conversion's source does not match "
+                "its own manifest (nothing written)"),
     (BAD_INPUT, "bad input or usage: one line `ckpt-tools CMD: error: ...` naming the path or flag (argparse's "
                 "usage errors too): a bad config field, a checkpoint that cannot be opened (e.g. a file missing), "
                 "a refused `--out` (an `OUT.lock` that is not ours included)"),

@@ -42,16 +42,3 @@ class ByteBudget:
                 self.used -= n
                 self._cv.notify_all()
 
-
-def parse_size(s) -> int:
-    """'4GiB', '5GB', '512MiB', '1e9' -> bytes."""
-    if isinstance(s, int):
-        return s
-    t = str(s).strip().upper().replace(" ", "")
-    units = [("TIB", 1 << 40), ("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10),
-             ("TB", 10 ** 12), ("GB", 10 ** 9), ("MB", 10 ** 6), ("KB", 10 ** 3), ("T", 1 << 40),
-             ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10), ("B", 1)]
-    for u, m in units:
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * m)
-    return int(float(t))

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import torch
 
 from .copyplan import row_blocks
+from .fsutil import SIDE_CAR
 from .integrity import (MANIFEST, IntegrityError, ManifestError, SourceCheck, check_manifest, check_sizes,
                         load_manifest)
 from .layout import box_shape, box_shift, box_slices, numel
@@ -127,6 +129,8 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
         problems = parts[0]["problems"]
     rows = [done[i] for i in range(len(tasks))]
     bad = [r for r in rows if not r["equal"]]
+    if not rows:  # nothing compared is not "no difference": every tensor the config implies is uncovered
+        problems = problems + ["0 tensors compared: nothing was checked (a coverage gap, not a match)"]
     return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
             "cast": sum(1 for r in rows if r.get("cast")), "rounded": sum(1 for r in rows if r.get("rounded")),
             "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
@@ -236,7 +240,9 @@ def check_one(view, progress: bool = True, group=None) -> dict:
     problems += bad if g.lead_rank else []
     checked = 0
     if man is None:
-        notes.append(f"no manifest: data not checked ({MANIFEST} absent)")
+        notes.append(f"no manifest: data not checked ({MANIFEST} {'unreadable' if bad else 'absent'}; structure, "
+                     f"names and sizes checked)")
+        problems += missing_manifest(view) if not bad and g.lead_rank else []
     else:
         share = _share(man, g)
         bar = None
@@ -262,6 +268,17 @@ def check_one(view, progress: bool = True, group=None) -> dict:
                      + (f" by {g.world} ranks" if g.world > 1 else ""))
     return {"ok": not problems, "path": view.path, "kind": view.kind, "problems": problems, "notes": notes,
             "manifest": man is not None, "checked_bytes": checked, "loaders": loaders}
+
+
+def missing_manifest(view) -> list[str]:
+    """The problem of a ckpt-tools output without its manifest (every one is written with it: deleted or lost,
+    its data cannot be checked), known by its record: vLLM shards (``vllm_layout.json``, without which VllmView
+    does not open) or a torch_dist checkpoint with our side car (an HF output of ``mcore2hf`` has no record).
+    Call only when the manifest is absent."""
+    if view.kind == "vllm" or (view.kind == "mcore" and os.path.isfile(os.path.join(view.path, SIDE_CAR))):
+        return [f"{MANIFEST} is missing from a ckpt-tools output (every one is written with it): its tensor data "
+                f"cannot be checked; compare it with its source (two-sided verify)"]
+    return []
 
 
 def _share(man: dict, g) -> dict:
@@ -298,6 +315,7 @@ def inspect_checks(view) -> dict:
         manifest = "unreadable (data not checked)"
     elif man is None:
         manifest = "none (data not checked)"
+        problems += missing_manifest(view)
     else:
         sz = check_sizes(view.path, man)
         problems += sz
@@ -314,7 +332,10 @@ def print_one(rep: dict, out):
         print(f"PROBLEM: {p}", file=out)
     for n in rep["notes"]:
         print(n, file=out)
-    print(f"{'OK' if rep['ok'] else 'FAILED'}: {rep['kind']} {rep['path']}: {len(rep['problems'])} problems", file=out)
+    what = ("structure and data checked" if rep.get("manifest") else
+            "structure, names and sizes checked, tensor data not checked (no manifest)")
+    print(f"{'OK' if rep['ok'] else 'FAILED'}: {rep['kind']} {rep['path']}: {len(rep['problems'])} problems; "
+          f"{what}", file=out)
 
 
 def print_report(rep: dict, out, limit: int = 40):

@@ -13,8 +13,8 @@ import torch
 from .errors import InputError
 from .fsutil import read_json
 from .hf import HFError, HFReader
-from .layout import Box, LayoutError, VllmParallel, box_intersect, box_shape, box_shift, box_slices, full_box
-from .layout import SPECS, MegatronLayout, VllmLayout, hf_shapes
+from .layout import Box, LayoutError, box_intersect, box_shape, box_shift, box_slices, full_box
+from .layout import SPECS, MegatronLayout, VllmLayout, hf_shapes, vllm_parallel
 from .model_config import ModelConfig, load_config
 from .torch_dist import DistCkptError
 from .torch_dist_reader import TorchDistReader
@@ -231,6 +231,9 @@ def format_loaders(rep: dict) -> str:
     return ", ".join(parts)
 
 
+RECORD_FIELDS = {k: f'"{k}"' for k in ("tp", "dp", "ep", "expert_parallel")}  # vllm_layout.json's names
+
+
 class VllmView:
     """A ``reshard --to vllm`` output: vLLM ``load_format="sharded_state"`` files + ``vllm_layout.json``."""
 
@@ -252,7 +255,11 @@ class VllmView:
         except vllm_names.UnknownVersion as e:
             raise FormatError(f"{path}: {VLLM_META}: {e}") from None
         self.cfg = cfg or load_config(os.path.join(path, "config.json"))
-        self.par = VllmParallel(meta["tp"], meta.get("dp", 1), meta.get("expert_parallel", False))
+        try:  # the rule reshard writes by: a record of no rank (e.g. "dp": 0) is not a layout
+            self.par = vllm_parallel(meta.get("tp"), meta.get("dp", 1), meta.get("expert_parallel", False),
+                                     flags=RECORD_FIELDS)
+        except LayoutError as e:
+            raise FormatError(f"{path}: {VLLM_META}: {e}; nothing vLLM could load (run reshard again)") from None
         self.layout = VllmLayout(self.cfg, self.par, self.name_table)
         self.shapes = hf_shapes(self.cfg)
         self.files = vllm_shard_files(self.par, self.name_table, meta.get("dp_dirs", False))

@@ -19,8 +19,8 @@ Switches (environment variables, read at every step on every rank; set them in t
 * ``CKPT_TOOLS_SYNC_VERIFY`` = ``every`` (default) | ``first`` | ``off``: prove after ``load_weights``, without a
   gather, that every vLLM parameter region a rank was sent holds exactly the bytes the actor sent (see
   ckpt_tools.sync.sync_weights).
-* ``CKPT_TOOLS_SYNC_TIMEOUT`` (seconds, default 600): bound on every wait of the sync; ``CKPT_TOOLS_SYNC_BUCKET_MB``
-  (default 256): per-rank buffer bound per bucket.
+* ``CKPT_TOOLS_SYNC_TIMEOUT`` (seconds, default 600; in (0, a week]): bound on every wait of the sync;
+  ``CKPT_TOOLS_SYNC_BUCKET_MB`` (default 256; > 0): per-rank buffer bound per bucket. Checked by ckpt_tools.numbers.
 
 The schedule is built once, on the first step, from what the job already has: megatron's parallel_state
 (PP / TP / EP / ETP sizes), the transformer config (uneven first / last stages), the HF config (``model_config``),
@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from .. import numbers
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
 from ..sync_comm import _comm, _exchange_summaries
 
@@ -53,17 +54,6 @@ def _env(name: str, default: str, choices=None) -> str:
     if choices and v not in choices:
         raise SyncError(f"{name}={v!r} is not one of {', '.join(choices)}")
     return v
-
-
-def _env_num(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    try:
-        x = float(v) if v not in (None, "") else default
-    except ValueError:
-        x = -1
-    if x <= 0:
-        raise SyncError(f"{name}={v!r} must be a positive number")
-    return x
 
 
 class _State:
@@ -115,16 +105,18 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     for v in _global_shapes(manager.actor_module):
         mine["vocab_rows"] = v
     # one monitored all-gather on the control group (a dead peer is a one-line SyncError, not a hang)
-    alls = _exchange_summaries(mine, _comm(None, control), _env_num("CKPT_TOOLS_SYNC_TIMEOUT", 600))
+    timeout = numbers.env("CKPT_TOOLS_SYNC_TIMEOUT", 600, numbers.TIMEOUT, SyncError)
+    alls = _exchange_summaries(mine, _comm(None, control), timeout)
     specs = {a.get("spec") for a in alls if a.get("spec")} or {"te"}
     rows = {a.get("vocab_rows") for a in alls if a.get("vocab_rows")}
     if len(specs) > 1 or len(rows) > 1:
         raise SyncError(f"weight sync: ranks disagree on the layer spec {sorted(specs)} or vocab rows {sorted(rows)}")
     rows_n = rows.pop() if rows else cfg.vocab
     dtype = next(vllm_model.parameters()).dtype
+    bucket_mb = numbers.env("CKPT_TOOLS_SYNC_BUCKET_MB", 256, numbers.POSITIVE, SyncError)
     return SyncSchedule(cfg, mpar, vpar, specs.pop(), rollout_replicas=world // vpar.world,
-                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE") or 8), dtype=dtype,
-                        bucket_bytes=int(_env_num("CKPT_TOOLS_SYNC_BUCKET_MB", 256) * 2 ** 20),
+                        ranks_per_node=numbers.env("LOCAL_WORLD_SIZE", 8, numbers.COUNT, SyncError), dtype=dtype,
+                        bucket_bytes=int(bucket_mb * 2 ** 20),
                         actor_dp=world // mpar.world, vocab_size_divisible_by=rows_n if rows_n != cfg.vocab else None)
 
 
@@ -143,7 +135,7 @@ def _global_shapes(actor_module):
 
 def _transfer(manager, state: _State, model, mode: str, verl_transfer):
     """Our transfer (and, in check mode, verl's first, then the comparison); returns what load_weights returns."""
-    timeout = _env_num("CKPT_TOOLS_SYNC_TIMEOUT", 600)
+    timeout = numbers.env("CKPT_TOOLS_SYNC_TIMEOUT", 600, numbers.TIMEOUT, SyncError)
     verify_mode = _env("CKPT_TOOLS_SYNC_VERIFY", "every", VERIFY_MODES)
     if state.schedule is None:
         state.control = control_group_for(None)

@@ -19,9 +19,9 @@ from .boxes import (Box, LayoutError, Segment, box_intersect, box_numel, box_sha
                     boxes_disjoint_cover, full_box, iter_boxes_in, numel)
 from .models import SPECS, MegatronLayout, TensorSpec, VllmLayout, hf_shapes
 from .topology import (Chunk, MegatronParallel, VllmParallel, chunk_holders, megatron_chunks, pad_vocab, split_range,
-                       vllm_expert_range)
+                       vllm_expert_range, vllm_parallel, PLAN_FLAGS, RESHARD_FLAGS)
 
 __all__ = ["Box", "LayoutError", "Segment", "box_intersect", "box_numel", "box_shape", "box_shift", "box_slices",
            "boxes_disjoint_cover", "full_box", "iter_boxes_in", "numel", "SPECS", "MegatronLayout", "TensorSpec",
            "VllmLayout", "hf_shapes", "Chunk", "MegatronParallel", "VllmParallel", "chunk_holders", "megatron_chunks",
-           "pad_vocab", "split_range", "vllm_expert_range"]
+           "pad_vocab", "split_range", "vllm_expert_range", "vllm_parallel", "PLAN_FLAGS", "RESHARD_FLAGS"]

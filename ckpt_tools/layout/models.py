@@ -8,6 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import converters
+from .. import numbers
 from ..model_config import ModelConfig
 from .boxes import Segment, full_box
 from .topology import (Chunk, LayoutError, MegatronParallel, VllmParallel, megatron_chunks, pad_vocab, split_range,
@@ -126,8 +127,8 @@ class MegatronLayout:
         self.hf_shapes = shapes
         L, E = cfg.layers, cfg.experts
         vocab_rows = cfg.vocab
-        if vocab_size_divisible_by:
-            m = vocab_size_divisible_by
+        if vocab_size_divisible_by is not None:
+            m = numbers.check(vocab_size_divisible_by, numbers.COUNT, "--make-vocab-size-divisible-by", LayoutError)
             vocab_rows = ((cfg.vocab + m - 1) // m) * m
         self.padded_vocab = vocab_rows
         self.tensors: dict[str, TensorSpec] = {}

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .. import numbers
 from .boxes import Box, LayoutError, full_box
 
 
@@ -259,6 +260,32 @@ class VllmParallel:
 
     def describe(self) -> str:
         return f"vLLM TP{self.tp} x DP{self.dp}" + (f" EP{self.ep}" if self.ep > 1 else "")
+
+
+RESHARD_FLAGS = {"tp": "--tp", "dp": "--dp", "ep": "--ep", "expert_parallel": "--enable-expert-parallel"}
+PLAN_FLAGS = {"tp": "--vllm-tp", "dp": "--vllm-dp", "ep": "--vllm-ep", "expert_parallel": "--vllm-expert-parallel"}
+
+
+def vllm_parallel(tp: int, dp: int | None = None, expert_parallel: bool = False, ep: int | None = None,
+                  flags: dict = RESHARD_FLAGS) -> VllmParallel:
+    """The vLLM layout a set of topology flags asks for, or a LayoutError naming the flag: the one rule of
+    ``reshard --to vllm`` and ``plan --vllm-*``. vLLM's EP size is TP x DP (VllmParallel), so ``ep`` (a
+    shorthand for expert parallel of that size) must be a multiple of ``tp`` and, when ``dp`` is given too,
+    equal ``tp`` x ``dp``; ``dp`` None means 1 (or ``ep`` / ``tp``)."""
+    for k, v in (("tp", tp), ("dp", dp), ("ep", ep)):
+        if v is not None:
+            numbers.check(v, numbers.COUNT, flags[k], LayoutError)
+    if tp is None:
+        raise LayoutError(f"{flags['tp']} is required")
+    if ep is None:
+        return VllmParallel(tp, 1 if dp is None else dp, bool(expert_parallel))
+    if dp is not None and dp * tp != ep:
+        raise LayoutError(f"{flags['ep']} {ep} must equal {flags['tp']} x {flags['dp']} = {tp} x {dp} = {tp * dp} "
+                          f"(vLLM's expert-parallel size is TP x DP)")
+    if ep % tp:
+        raise LayoutError(f"{flags['ep']} {ep} must be a multiple of {flags['tp']} {tp} (vLLM's expert-parallel "
+                          f"size is TP x DP)")
+    return VllmParallel(tp, ep // tp, ep > 1)
 
 
 def vllm_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:

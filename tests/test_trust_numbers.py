@@ -1,0 +1,205 @@
+"""Issue 25, "exit 0 with a wrong or empty result" and "every number checked at the door": every numeric flag and
+environment knob is validated where it is parsed (ckpt_tools.numbers: argparse's usage error naming the flag, exit
+2); every vLLM topology flag combination is written exactly or refused by the one rule reshard and plan share
+(layout.vllm_parallel); verify that compared nothing or could check no data is not OK; inspect answers one line
+on an output that describes no rank."""
+import json
+import os
+
+import pytest
+
+from ckpt_tools import cli, convert, numbers
+from ckpt_tools.integrity import MANIFEST
+from ckpt_tools.layout import VllmParallel
+
+
+def _usage_error(capsys, *argv):
+    """argparse's usage error: SystemExit 2, the last stderr line names the flag, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def _cli(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    o = capsys.readouterr()
+    assert "Traceback" not in o.err
+    return rc, o.out, [ln for ln in o.err.splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_hf, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("numbers") / "vl")
+    convert.reshard(tiny_hf, d, tp=2, progress=False)
+    return d
+
+
+# ----------------------------------------------------------------------------------- numbers at the door
+BAD = {  # flag -> values that must be refused at parse time (none of the issue's own examples)
+    "--tp": ["0", "-3", "1.5", "nan", "70000"], "--dp": ["0", "-2", "2.5"], "--ep": ["0", "-4"],
+    "--pp": ["0", "x"], "--etp": ["-1"], "--make-vocab-size-divisible-by": ["-32", "0", "1e2"],
+    "--num-layers-in-first-pipeline-stage": ["-1"], "--num-layers-in-last-pipeline-stage": ["0"],
+    "--layer-list": ["3,0,3", "2,-1"], "--workers": ["0"], "--io-threads": ["-8"],
+    "--max-memory": ["0", "-1GiB", "inf", "nanGiB"], "--max-shard-size": ["0B"],
+    "--dist-timeout": ["0", "-5", "inf", "nan", "1e300", "700000"],
+}
+COMMANDS = {"hf2mcore": ["--hf", "H", "--out", "O"], "mcore2hf": ["--mcore", "M", "--out", "O"],
+            "reshard": ["--from", "H", "--out", "O"], "verify": ["--hf", "H"], "plan": ["--config", "qwen3-235b-a22b"]}
+PLAN_BAD = {"--disk-gbps": ["-2", "0", "nan", "inf"], "--node-gbps": ["nan", "-1"], "--fs-gbps": ["0"],
+            "--proc-gbps": ["-0.5"], "--nodes": ["0", "2.5"], "--procs-per-node": ["-1"], "--vllm-tp": ["0", "-4"],
+            "--vllm-dp": ["0"], "--vllm-ep": ["0", "-2"], "--rollout-replicas": ["0"], "--ranks-per-node": ["0"],
+            "--intra-node-gbps": ["0"], "--inter-node-gbps": ["inf"], "--latency-us": ["-1", "nan"],
+            "--bucket-size": ["0", "-1MiB"]}
+
+
+def _flags_of(cmd):
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if a.dest == "cmd").choices[cmd]
+    return {o for a in sub._actions for o in a.option_strings}
+
+
+def test_every_bad_number_is_a_usage_error_naming_the_flag(capsys):
+    tried = 0
+    for cmd, base in COMMANDS.items():
+        flags = _flags_of(cmd)
+        for flag, values in {**BAD, **(PLAN_BAD if cmd == "plan" else {})}.items():
+            if flag not in flags:
+                continue
+            for v in values:
+                line = _usage_error(capsys, cmd, *base, f"{flag}={v}")
+                assert line.startswith(f"ckpt-tools {cmd}: error: argument {flag}") and repr(v) in line, line
+                tried += 1
+    assert tried > 120, tried
+
+
+def test_every_numeric_flag_has_a_checked_type():
+    """No numeric flag parsed by a bare int / float (which take 0, -1, nan, inf)."""
+    for cmd in ("hf2mcore", "mcore2hf", "reshard", "verify", "plan", "inspect"):
+        p = cli.build_parser()
+        sub = next(a for a in p._actions if a.dest == "cmd").choices[cmd]
+        for a in sub._actions:
+            assert a.type not in (int, float), (cmd, a.option_strings)
+
+
+def test_good_numbers_still_parse():
+    a = cli.build_parser().parse_args(["hf2mcore", "--hf", "H", "--out", "O", "--tp", "2", "--max-memory", "1.5GiB",
+                                       "--dist-timeout", "604800", "--layer-list", "2,4", "--io-threads", " 3"])
+    assert (a.tp, a.max_memory, a.dist_timeout, a.layer_list, a.io_threads) == (2, 3 << 29, 604800.0, [2, 4], 3)
+    a = cli.build_parser().parse_args(["plan", "--config", "C", "--disk-gbps", "0.25", "--latency-us", "0"])
+    assert (a.disk_gbps, a.latency_us) == (0.25, 0.0)
+
+
+def test_python_api_timeout_and_vocab_multiple_are_checked(tiny_hf, tmp_path):
+    from ckpt_tools.distributed import join
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.layout import LayoutError
+
+    for t in (float("nan"), float("inf"), -1, 0, 1e12):  # one process accepted every one of them
+        with pytest.raises(InputError, match="--dist-timeout"):
+            join(t)
+    with pytest.raises(LayoutError, match="--make-vocab-size-divisible-by"):
+        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), vocab_size_divisible_by=-96, progress=False)
+    assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize("name,value,kind", [("CKPT_TOOLS_SYNC_TIMEOUT", "nan", numbers.TIMEOUT),
+                                              ("CKPT_TOOLS_SYNC_TIMEOUT", "1e400", numbers.TIMEOUT),
+                                              ("CKPT_TOOLS_SYNC_BUCKET_MB", "inf", numbers.POSITIVE),
+                                              ("LOCAL_WORLD_SIZE", "0", numbers.COUNT)])
+def test_environment_knobs_are_one_line_naming_the_variable(monkeypatch, name, value, kind):
+    from ckpt_tools.sync import SyncError
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SyncError) as e:
+        numbers.env(name, 1, kind, SyncError)
+    assert str(e.value).startswith(f"{name}={value!r} must be") and "\n" not in str(e.value)
+    monkeypatch.setenv(name, "")
+    assert numbers.env(name, 7, kind, SyncError) == 7
+
+
+def test_verl_integration_reads_its_knobs_through_the_checker():
+    """The sync's environment knobs go through numbers.env (the function tested above), not a float() of its own."""
+    src = open(os.path.join(os.path.dirname(cli.__file__), "integrations", "verl.py")).read()
+    for name in ("CKPT_TOOLS_SYNC_TIMEOUT", "CKPT_TOOLS_SYNC_BUCKET_MB", "LOCAL_WORLD_SIZE"):
+        assert f'numbers.env("{name}"' in src, name
+    assert "float(os.environ" not in src and "int(os.environ" not in src
+
+
+# ----------------------------------------------------------------------------------- vLLM topology: exact or refused
+@pytest.mark.parametrize("argv,why", [(["--tp", 4, "--ep", 4, "--dp", 2], "--ep 4 must equal --tp x --dp = 4 x 2 = 8"),
+                                      (["--tp", 2, "--ep", 8, "--dp", 1], "--ep 8 must equal --tp x --dp = 2 x 1 = 2"),
+                                      (["--tp", 4, "--ep", 2], "--ep 2 must be a multiple of --tp 4")])
+def test_reshard_vllm_refuses_what_it_would_not_write_exactly(tiny_hf, tmp_path, capsys, argv, why):
+    rc, out, err = _cli(capsys, "reshard", "--from", tiny_hf, "--out", tmp_path / "v", *argv, "--no-progress")
+    assert rc == 2 and len(err) == 1 and why in err[0], err
+    assert os.listdir(tmp_path) == []
+    # plan says the same of the same numbers: one rule
+    flags = [{"--tp": "--vllm-tp", "--ep": "--vllm-ep", "--dp": "--vllm-dp"}.get(str(a), a) for a in argv]
+    rc, out, err = _cli(capsys, "plan", "--config", tiny_hf, *flags)
+    assert rc == 2 and len(err) == 1 and why.replace("--", "--vllm-") in err[0], err
+
+
+def test_reshard_vllm_writes_the_topology_asked_for(tiny_hf, tmp_path, capsys):
+    for argv, want in (([2, "--ep", 4, "--dp", 2], (2, 2, True)), ([2, "--dp", 2, "--enable-expert-parallel"],
+                                                                   (2, 2, True)), ([1, "--ep", 2], (1, 2, True))):
+        out = tmp_path / "v"
+        rc, o, err = _cli(capsys, "reshard", "--from", tiny_hf, "--out", out, "--tp", *argv, "--no-progress",
+                          "--overwrite")
+        meta = json.load(open(out / "vllm_layout.json"))
+        assert rc == 0 and (meta["tp"], meta["dp"], meta["expert_parallel"]) == want, (argv, meta, err)
+        assert meta["world"] == want[0] * want[1]
+
+
+def test_plan_vllm_flags_without_vllm_tp_are_refused(capsys):
+    rc, out, err = _cli(capsys, "plan", "--config", "qwen3-235b-a22b", "--vllm-ep", 16)
+    assert rc == 2 and len(err) == 1 and "--vllm-ep needs --vllm-tp" in err[0], err
+
+
+# ----------------------------------------------------------------------------------- verify / inspect: no empty OK
+@pytest.fixture
+def no_ranks(tiny_hf, tmp_path, monkeypatch):
+    """What `reshard --to vllm --tp 2 --dp 0` wrote before the fix: a record of 0 ranks and no shard file."""
+    monkeypatch.setattr(convert, "vllm_parallel", lambda *a, **k: VllmParallel(2, 0, False))
+    d = str(tmp_path / "v0")
+    convert.reshard(tiny_hf, d, tp=2, progress=False)
+    monkeypatch.undo()
+    assert json.load(open(os.path.join(d, "vllm_layout.json")))["world"] == 0
+    return d
+
+
+def test_verify_and_inspect_of_an_output_of_no_rank(tiny_hf, no_ranks, capsys):
+    for argv in (["verify", "--vllm", no_ranks], ["verify", "--hf", tiny_hf, "--vllm", no_ranks],
+                 ["inspect", no_ranks]):
+        rc, out, err = _cli(capsys, *argv, *(["--no-progress"] if argv[0] == "verify" else []))
+        assert rc == 2 and "OK" not in out and len(err) == 1, (argv, out, err)
+        assert 'vllm_layout.json: "dp" must be an integer from 1' in err[0] and "(got 0)" in err[0], err
+
+
+def test_two_sided_verify_that_compared_nothing_is_not_ok(tiny_hf, vl):
+    from ckpt_tools.verify import verify
+    from ckpt_tools.views import HFView, VllmView
+
+    v = VllmView(vl)
+    v.layout.ranks = []  # a view that offers nothing to compare (what the record of no rank used to give)
+    rep = verify(HFView(tiny_hf), v, progress=False)
+    assert not rep["ok"] and rep["compared"] == 0
+    assert any("0 tensors compared" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_single_side_verify_of_our_output_without_its_manifest_is_not_ok(vl, tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "vl"
+    shutil.copytree(vl, d)
+    rc, out, _ = _cli(capsys, "verify", "--vllm", d, "--no-progress")
+    assert rc == 0 and out.strip().splitlines()[-1].endswith("0 problems; structure and data checked"), out
+    os.remove(d / MANIFEST)
+    rc, out, err = _cli(capsys, "verify", "--vllm", d, "--no-progress")
+    last = out.strip().splitlines()[-1]
+    assert rc == 1 and err == [] and last.startswith("FAILED") and "tensor data not checked" in last, out
+    assert f"{MANIFEST} is missing from a ckpt-tools output" in out
+    rc, out, _ = _cli(capsys, "inspect", d)
+    assert rc == 0 and f"{MANIFEST} is missing" in out and "integrity: ok" not in out, out
+
