@@ -45,7 +45,7 @@ def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str
     return result
 
 
-def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch) -> int:
+def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None) -> int:
     """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent.
     Round 1: the senders' message digests come over the control group (one all-to-all, 8 bytes per message) and
     this rank digests, per message, the parameter regions its pieces were meant to fill, concatenated in the
@@ -55,7 +55,9 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch) ->
     rank, world = comm.rank, comm.world
     counts = schedule.pair_message_counts()
     recv_split = [counts.get((s, rank), 0) for s in range(world)]
-    pending = _all_to_all(comm, [sent_digests.get(d, []) for d in range(world)], recv_split, timeout_s,
+    fallback = fallback or {}
+    skip = frozenset(fallback.get(rank, ()))  # this rank's fallback HF tensors: proven on the wire only
+    pending = _all_to_all(comm, [[d for _, d in sent_digests.get(d, [])] for d in range(world)], recv_split, timeout_s,
                           "message digests")  # in flight while this rank digests its parameters
     problem, proven, bad = "", 0, []
     msgs = schedule.messages_to(rank)
@@ -63,7 +65,7 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch) ->
         local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
         offs = [sum(recv_split[:s]) for s in range(world)]
         try:
-            views = _views(schedule, live, local, rank)
+            views = _views(schedule, live, local, rank, skip)
         except SyncError as e:
             problem, msgs = str(e), []
         wants, mine = [], []
@@ -77,20 +79,21 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch) ->
             wants.append(offs[src])  # where its sender's digest sits in what the all-to-all brings
             offs[src] += 1
             run = views.runs[(b, src)]
-            mine.append(digest(run[0] if len(run) == 1 else _flat(run, schedule.dtype, scratch), schedule.dtype))
+            mine.append(digest(run[0] if len(run) == 1 else _flat(run, schedule.dtype, scratch) if run else
+                               torch.empty(0, dtype=schedule.dtype), schedule.dtype))
         mine = torch.stack(mine).cpu().tolist() if mine else []  # one device -> host copy
         got = pending().tolist()
         for (b, src, ps), d, i in zip(msgs, mine, wants):
             if d != got[i]:
                 bad.append([b, src])
             else:
-                proven += len(ps)
+                proven += sum(p.hf not in skip for p in ps)
     if not msgs:
         pending()
     alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600], "bad": bad[:16]}, comm, timeout_s)
     wrong = sorted({(b, src, r) for r, s in enumerate(alls) for b, src in s.get("bad", [])})
     if wrong and not any(s.get("problem") for s in alls):
-        problem = _locate(schedule, comm, live, src_view, wrong, timeout_s)
+        problem = _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback)
         alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600]}, comm, timeout_s)
     for s in alls:
         if s.get("problem"):
@@ -101,30 +104,36 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch) ->
     return proven
 
 
-def _locate(schedule, comm, live, src_view, wrong, timeout_s) -> str:
+def _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback) -> str:
     """Round 2 of :func:`_verify` for the messages ``wrong`` [(bucket, src, dst)]: per-piece digests, the
     senders' from their live chunks (the bytes they sent), compared on the receivers; the first wrong piece here."""
     rank, world, dtype = comm.rank, comm.world, schedule.dtype
     parts = [[] for _ in range(world)]
     for b, src, dst in wrong:
         if src == rank:
-            parts[dst] += [digest(src_view(p), dtype) for p in schedule.message_pieces(b, src, dst)]
+            parts[dst] += [digest(src_view(p), dtype) for p in _provable(schedule, b, src, dst, fallback)]
     mine = [(b, src) for b, src, dst in wrong if dst == rank]
-    recv_split = [sum(len(schedule.message_pieces(b, s, rank)) for b, s2 in mine if s2 == s) for s in range(world)]
+    recv_split = [sum(len(_provable(schedule, b, s, rank, fallback)) for b, s2 in mine if s2 == s)
+                  for s in range(world)]
     got = _all_to_all(comm, parts, recv_split, timeout_s, "piece digests")()
     if not mine:
         return ""
     local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
     offs = [sum(recv_split[:s]) for s in range(world)]
     for b, src in sorted(mine, key=lambda m: (m[1], m[0])):  # each sender's pieces in the order it sent them
-        for p in schedule.message_pieces(b, src, rank):
+        for p in _provable(schedule, b, src, rank, fallback):
             want = got[offs[src]]
             offs[src] += 1
-            vname, target, t = _views(schedule, live, local, rank).pieces[p][0]
+            vname, target, t = _views(schedule, live, local, rank, frozenset(fallback.get(rank, ()))).pieces[p][0]
             if int(digest(t, dtype)) != int(want):
                 return (f"rank {rank}: vLLM parameter {vname} region {_bx(target)} does not hold the bytes rank {src} "
                         f"sent for HF tensor {p.hf} region {_bx(p.hf_box)}")
     return f"rank {rank}: a message differs but none of its pieces does (bucket {mine[0][0] + 1}, from rank {mine[0][1]})"
+
+
+def _provable(schedule, b, src, dst, fallback) -> list:
+    skip = fallback.get(dst, ())
+    return [p for p in schedule.message_pieces(b, src, dst) if p.hf not in skip]
 
 
 def _bx(box) -> list:
@@ -158,20 +167,23 @@ class _Views(NamedTuple):
     twice: list       # pieces whose HF region the loader places twice on this rank
 
 
-def _views(schedule, live, local, rank) -> _Views:
+def _views(schedule, live, local, rank, skip=frozenset()) -> _Views:
     """Where every piece this rank receives lands in the live vLLM parameters, cached on the schedule while the
     parameters are the same tensors (same storage, shape): the verification's only per-piece Python work, done
     once, not every step. Within a message, pieces come in the receiver's memory order (SyncSchedule sorts
-    them), so consecutive contiguous regions of one parameter merge into one view."""
+    them), so consecutive contiguous regions of one parameter merge into one view. Pieces of the HF tensors in
+    ``skip`` (fallback: vLLM's loader transforms them) are left out of the runs."""
     sig = tuple((n, p.data_ptr(), tuple(p.shape), p.dtype) for n, p in live.params.items())
     cache = schedule.__dict__.setdefault("_views", {})
-    got = cache.get(local)
+    got = cache.get((local, skip))
     if got is None or got[0] != sig:
         pieces, runs, twice = {}, {}, []
         for b, src, ps in schedule.messages_to(rank):
             out, cur = [], None  # cur: [name, parameter, start, end] (flat elements) of the open run
             for p in ps:
                 rs = pieces[p] = _regions(schedule, live, local, p, rank)
+                if p.hf in skip:
+                    continue
                 if len(rs) > 1:
                     twice.append(p)
                 name, v = rs[0][0], rs[0][2]
@@ -192,7 +204,7 @@ def _views(schedule, live, local, rank) -> _Views:
             if cur is not None:
                 out.append(cur[1].view(-1)[cur[2]:cur[3]])
             runs[(b, src)] = out
-        got = cache[local] = (sig, _Views(pieces, runs, twice))
+        got = cache[(local, skip)] = (sig, _Views(pieces, runs, twice))
     return got[1]
 
 

@@ -275,8 +275,107 @@ def run_real(rank, world, a):
     os._exit(0)  # skip vLLM / gloo teardown
 
 
+# --------------------------------------------------------------------- several steps: direct apply + delta
+def _perturb(master, gen, rel):
+    """One optimizer-like step: fp32 masters move by a small relative amount (Adam-like: the step size is about
+    ``rel`` of each weight, random sign), the bf16 weights are their rounding: only some elements change."""
+    out = {}
+    for n, m in master.items():
+        m.add_(m.abs() * rel * torch.randn(m.shape, generator=gen))
+        out[n] = m.to(torch.bfloat16)
+    return out
+
+
+def run_steps(rank, world, a):
+    """Real megatron actor + real vLLM in the same processes, ``steps`` syncs with direct apply and delta; after
+    each, vLLM's own load_weights of the same HF tensors is the reference (what a full sync gives)."""
+    from ckpt_tools.testing import hf_files
+    from ckpt_tools.testing.vllm import rank_env, start_llm
+
+    os.environ.update(rank_env(rank, world, a["port"]))
+    sys.path.insert(0, os.path.dirname(__file__))
+    from mcore_worker import fill_reference
+
+    from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel, box_slices
+    from ckpt_tools.model_config import load_config
+    from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
+    from ckpt_tools.testing.megatron import build_gpt_model
+
+    llm = start_llm(a["hf_a"], tp=a["vpar"]["tp"], expert_parallel=a["vpar"].get("ep", False))
+    vm = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    hfcfg = json.load(open(os.path.join(a["hf_a"], "config.json")))
+    m, lst = a["mpar"], a["mpar"].get("layer_list")
+    model, ranks, offset, nle = build_gpt_model(
+        hfcfg, m.get("tp", 1), m.get("pp", 1), m.get("ep", 1), m.get("etp"), first=lst[0] if lst else None,
+        last=lst[-1] if lst and m.get("pp", 1) > 2 else None)
+    get_a, names = hf_files(a["hf_a"])
+    cfg = load_config(a["hf_a"])
+    mpar = MegatronParallel.build(cfg.layers, pp=m.get("pp", 1), tp=m.get("tp", 1), ep=m.get("ep", 1),
+                                  etp=m.get("etp"), layer_list=lst)
+    vpar = VllmParallel(a["vpar"]["tp"], 1, a["vpar"].get("ep", False))
+    sched = SyncSchedule(cfg, mpar, vpar, "local", dtype=torch.bfloat16, bucket_bytes=a.get("bucket_bytes", 1 << 14))
+    gen = torch.Generator().manual_seed(1234)  # the same on every rank: one model
+    def master_of(w):  # fp32 masters as training has them: anywhere within half a bf16 step of the weight
+        w = w.float()
+        ulp = torch.exp2(torch.floor(torch.log2(w.abs())) - 7).nan_to_num(0.0, 0.0, 0.0)
+        return w + (torch.rand(w.shape, generator=gen) - 0.5) * 0.999 * ulp
+
+    master = {n: master_of(get_a(n)) for n in names}
+    state = {n: get_a(n) for n in names}
+    net = [p for p in sched.pieces if p.src != p.dst]
+    res = {"rank": rank, "steps": []}
+    for step in range(a["steps"]):
+        prev, state = state, _perturb(master, gen, a["rel"])
+        fill_reference(model, state.__getitem__, hfcfg, ranks, offset, nle)
+        ev = a.get("events", {}).get(str(step), [])
+        info = {"events": ev}
+        if "touch" in ev and rank == 1:  # one element of a live parameter changed (a restart, sleep level 2)
+            prm = dict(vm.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+            prm.data.view(-1)[5] += 1.0
+        if "recreate" in ev:  # the parameters re-created (new tensors): the map must be learned again
+            for prm in vm.parameters():
+                prm.data = prm.data.clone()
+        if "transform" in ev:  # a loader that transforms a parameter (a stand-in): negates model.norm.weight
+            prm = dict(vm.named_parameters())["model.norm.weight"]
+            prm.weight_loader = lambda param, w: param.data.copy_(-w)
+            prm.data = prm.data.clone()
+        verify = "noverify" not in ev
+        loaded = []
+        own_load = vm.load_weights
+
+        def counting(weights):  # what reaches vLLM's Python loader during the sync
+            weights = list(weights)
+            loaded.extend(n for n, _ in weights)
+            return own_load(weights)
+
+        vm.load_weights = counting
+        try:
+            c = sync_weights(sched, model, vm, verify=verify, delta=a.get("delta", True))
+        except SyncError as e:
+            info["error"] = str(e)
+            res["steps"].append(info)
+            break
+        finally:
+            vm.load_weights = own_load
+        info["loaded"] = sorted(set(loaded))
+        got = {n: p.detach().clone() for n, p in vm.named_parameters()}
+        vm.load_weights((n, state[n]) for n in names)  # vLLM's own loaders on the full HF tensors: the reference
+        ref = {n: p.detach() for n, p in vm.named_parameters()}
+        info["diff"] = [n for n in ref if not torch.equal(ref[n], got[n])]
+        info["report"] = {k: v for k, v in c.items() if k != "job"}
+        info["job"] = c["job"]
+        # independent of the sync: changed elements of this step in the regions that cross the network
+        info["changed_net"] = int(sum((state[p.hf][box_slices(p.hf_box)].view(torch.int16)
+                                       != prev[p.hf][box_slices(p.hf_box)].view(torch.int16)).sum() for p in net))
+        info["elements_net"] = sum(box_numel(p.hf_box) for p in net)
+        res["steps"].append(info)
+    with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0)
+
+
 if __name__ == "__main__":
     from ckpt_tools.testing import spawn_ranks
 
     a = json.loads(sys.argv[1])
-    spawn_ranks({"fake": run_fake, "real": run_real, "checks": run_checks}[a["mode"]], a)
+    spawn_ranks({"fake": run_fake, "real": run_real, "checks": run_checks, "steps": run_steps}[a["mode"]], a)

@@ -10,7 +10,6 @@ import pytest
 
 from ckpt_tools import cli, convert, numbers
 from ckpt_tools.integrity import MANIFEST
-from ckpt_tools.layout import VllmParallel
 
 
 def _usage_error(capsys, *argv):
@@ -159,13 +158,18 @@ def test_plan_vllm_flags_without_vllm_tp_are_refused(capsys):
 
 # ----------------------------------------------------------------------------------- verify / inspect: no empty OK
 @pytest.fixture
-def no_ranks(tiny_hf, tmp_path, monkeypatch):
-    """What `reshard --to vllm --tp 2 --dp 0` wrote before the fix: a record of 0 ranks and no shard file."""
-    monkeypatch.setattr(convert, "vllm_parallel", lambda *a, **k: VllmParallel(2, 0, False))
+def no_ranks(tiny_hf, tmp_path):
+    """What `reshard --to vllm --tp 2 --dp 0` wrote before the fix: a record of 0 ranks and no shard file (made by
+    hand now: the layout of DP 0 cannot even be built any more)."""
     d = str(tmp_path / "v0")
     convert.reshard(tiny_hf, d, tp=2, progress=False)
-    monkeypatch.undo()
-    assert json.load(open(os.path.join(d, "vllm_layout.json")))["world"] == 0
+    rec_path = os.path.join(d, "vllm_layout.json")
+    rec = json.load(open(rec_path))
+    rec.update(dp=0, world=0)
+    json.dump(rec, open(rec_path, "w"))
+    for f in os.listdir(d):
+        if f.startswith("model-rank-"):
+            os.remove(os.path.join(d, f))
     return d
 
 
