@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from . import numbers
+from . import distributed, numbers
 from .errors import EXIT_CODES, Terminated, describe_oserror, exit_code
 
 EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
@@ -214,19 +214,38 @@ def build_parser() -> argparse.ArgumentParser:
 def _on_signal(signum, frame):
     for s in (signal.SIGTERM, signal.SIGHUP):  # a second one must not interrupt the cleanup
         signal.signal(s, signal.SIG_IGN)
-    raise Terminated(signum)
+    raise Terminated(signum, distributed.on_signal(signum))  # under torchrun: a peer's failure may be the cause
+
+
+def _quiet_c10d():
+    """c10d's C++ log lines (socket and name-lookup retries: ~20 lines before our one line) off: c10 reads
+    ``TORCH_CPP_LOG_LEVEL`` once, when libc10 is loaded (c10/util/Logging.cpp in torch/lib/libc10.so: the
+    static initializer behind ``setLogLevelFlagFromEnv``), so it is set (to FATAL: c10d logs a failed connect as
+    an error too) only for the import of
+    torch and removed again (children of this process see the user's environment). A user's own setting, or a
+    torch imported already (library use), is left as it is. Our own errors are one line either way."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401 - loads libc10 under the level above
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from . import distributed
+    _quiet_c10d()
     from .commands import run
     from .fsutil import show
     from .integrity import IntegrityError
 
     distributed.ARGV = list(sys.argv[1:] if argv is None else argv)
+    joins = args.cmd not in ("plan", "inspect")  # the commands that run on every rank under torchrun
     try:
         rank, nranks = distributed.world()
+        if nranks > 1 and joins:
+            distributed.endpoint()  # MASTER_PORT / MASTER_ADDR checked before any work
     except Exception as e:  # noqa: BLE001 - InputError: one line, exit 2
         print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
         return exit_code(e)
@@ -238,15 +257,20 @@ def main(argv=None) -> int:
             old[s] = signal.signal(s, _on_signal)
     streams = _safe_streams()  # a path that is not UTF-8 never makes a print raise, whatever the locale
     quiet = None
-    if rank and args.cmd not in ("plan", "inspect"):  # under torchrun rank 0 prints the report
+    if rank and joins:  # under torchrun rank 0 prints the report
         quiet, sys.stdout = sys.stdout, open(os.devnull, "w")
+    started = distributed.commands_started()
     try:
         return run(args)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - mapped by errors.exit_code, else re-raised
         code = exit_code(e)
         if code is None:
             raise  # a bug: the traceback is the report
-        if isinstance(e, Terminated):
+        if joins and nranks > 1:  # failed before joining the others: tell them (if the store is at hand)
+            distributed.failed_before_joining(e, getattr(args, "dist_timeout", None), started)
+        if isinstance(e, Terminated) and e.peer:
+            msg = f"error: {e.peer}"
+        elif isinstance(e, Terminated):
             msg = f"terminated by {signal.Signals(e.signum).name}; partial output removed"
         elif isinstance(e, KeyboardInterrupt):
             msg = "interrupted; partial output removed"

@@ -123,7 +123,8 @@ def _convert(g, job: Job, opts: Options, error):
         view, check = checked_source(job.source, job.open_source, job.label)
     dest = job.destination(view)
     finals = dest.prepare()  # before staging: what the finish needs, built and so validated now
-    g.agree("output plans", fingerprint(job.label, os.path.abspath(job.out), sorted(dest.files.items()), dest.total))
+    g.agree("output plans", {"--out": os.path.abspath(job.out),  # by path: a rank in another directory is named
+                             "files": fingerprint(job.label, sorted(dest.files.items()), dest.total)})
     tmp = g.lead(lambda: staging(job.out, opts.overwrite, error, kind=job.kind, inputs=job.inputs), "staging")
     t0 = time.time()
     bar = None

@@ -38,11 +38,15 @@ EXIT_CODES = (
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM / SIGHUP (SLURM and Kubernetes preemption, a closed terminal), raised in the main thread like
-    SIGINT's KeyboardInterrupt, so every writer's cleanup (the OUT.partial-PID dir) runs the same way."""
+    SIGINT's KeyboardInterrupt, so every writer's cleanup (the OUT.partial-PID dir) runs the same way.
+    ``peer``: under torchrun, the line naming another rank whose failure is why the launcher sent the signal
+    (exit 4, as :class:`PeerFailed`; raised as a KeyboardInterrupt all the same, so no ``except Exception``
+    on the way stops it)."""
 
-    def __init__(self, signum):
+    def __init__(self, signum, peer: str | None = None):
         super().__init__(signum)
         self.signum = signum
+        self.peer = peer
 
 
 class InputError(ValueError):
@@ -61,7 +65,7 @@ class PeerFailed(RuntimeError):
 def exit_code(exc: BaseException) -> int | None:
     """The exit code for an exception that escaped a command; None: a bug (let the traceback show)."""
     if isinstance(exc, Terminated):
-        return 128 + exc.signum
+        return PEER if exc.peer else 128 + exc.signum
     if isinstance(exc, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if isinstance(exc, InputError):
