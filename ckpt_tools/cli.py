@@ -8,6 +8,7 @@ import sys
 import threading
 
 from . import distributed, numbers
+from .driver import DIVIDE
 from .errors import EXIT_CODES, Terminated, describe_oserror, exit_code
 
 EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
@@ -58,6 +59,10 @@ def _add_io(p):
     p.add_argument("--io-threads", type=COUNT, default=8,
                    help="O_DIRECT requests in flight, shared by the workers (default 8; direct I/O has no kernel "
                         "readahead or write-behind, so a disk needs several)")
+    p.add_argument("--divide", choices=DIVIDE, default="files",
+                   help="under torchrun: how the output records are divided among the ranks: files (default: by "
+                        "bytes, whole files first) or source (contiguous runs of the source's order: each rank "
+                        "reads its own region of the source once); part of the command line every rank must share")
     _add_dist(p)
 
 

@@ -120,7 +120,7 @@ def cmd_hf2mcore(args) -> int:
                          last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                          workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
                          vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide)
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
     return 0
@@ -131,7 +131,7 @@ def cmd_mcore2hf(args) -> int:
     r = convert.mcore2hf(args.mcore, args.out, hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
                          max_memory=args.max_memory, direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide)
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
           f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
     return 0
@@ -150,7 +150,7 @@ def cmd_reshard_mcore(args) -> int:
                             spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
                             progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
-                            dist_timeout=args.dist_timeout)
+                            dist_timeout=args.dist_timeout, divide=args.divide)
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
           f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
@@ -172,6 +172,7 @@ def cmd_reshard_vllm(args) -> int:
                         dtype=args.dtype, workers=args.workers,
                         overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args), max_memory=args.max_memory,
                         direct_io=not args.buffered_io, io_threads=args.io_threads, dist_timeout=args.dist_timeout,
+                        divide=args.divide,
                         vllm_version=args.vllm_version)
     where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
     print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "

@@ -63,8 +63,9 @@ def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_s
 
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
-             vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None) -> dict:
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
+             vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
+             divide="files") -> dict:
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     _guard(out, "mcore", {"--hf": hf}, opts)
     cfg = load_config(hf)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
@@ -97,7 +98,7 @@ def _dt_name(dt, keys) -> str:
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                 layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                 vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None) -> dict:
+                dist_timeout=None, divide="files") -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
@@ -106,7 +107,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     _guard(out, "mcore", inputs, opts)
     cfg = load_config(hf_config)
     if not is_mcore(src):
@@ -149,11 +150,11 @@ def _side_dir(cfg_path: str) -> str:
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
              overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8,
-             dist_timeout=None) -> dict:
+             dist_timeout=None, divide="files") -> dict:
     if not hf_config:
         raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     _guard(out, "hf", inputs, opts)
     cfg = load_config(hf_config)
     cache = max(64 << 20, max_memory // (4 * max(1, workers)))
@@ -180,13 +181,13 @@ def open_source(path: str, hf_config: str | None, prefix=None):
 def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel: bool = False, ep: int | None = None,
             hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
             max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None,
-            dist_timeout=None) -> dict:
+            dist_timeout=None, divide="files") -> dict:
     """Write what vLLM ``vllm_version`` loads with ``load_format="sharded_state"``: one file per TP rank named
     as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
     checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
     config/tokenizer files and ``vllm_layout.json``."""
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout)
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
     _guard(out, "vllm", inputs, opts)
     from converters import vllm_names

@@ -21,9 +21,14 @@ import os
 import time
 from typing import Callable, NamedTuple
 
+from .errors import InputError, PeerFailed
 from .fsutil import check_out, discard, hold_point, publish, staging, write_file
-from .integrity import write_manifest
+from .integrity import unwritten, write_manifest
 from .progress import Progress
+
+# --divide: how the records are divided among the ranks (distributed.divide / divide_in_order). It is a flag, so
+# it is part of the command line every rank compares (distributed.join), and agreed again for library callers.
+DIVIDE = ("files", "source")
 
 
 class Destination:
@@ -78,6 +83,12 @@ class Destination:
     def summary(self) -> dict:
         return {}
 
+    def placed(self) -> dict | None:
+        """{HF tensor name: elements of it the output holds} (replicas counted; padding not), from the layout
+        the copy follows, before anything is staged; None: not known (the driver then checks only that the
+        output holds data)."""
+        return None
+
 
 class Options(NamedTuple):
     workers: int = 2
@@ -87,6 +98,7 @@ class Options(NamedTuple):
     direct_io: bool = True
     io_threads: int = 8
     dist_timeout: float | None = None  # under torchrun: seconds a rank may be silent (None: the default)
+    divide: str = "files"  # under torchrun: DIVIDE[0] by bytes, whole files first; DIVIDE[1] by source order
 
 
 class Job(NamedTuple):
@@ -116,21 +128,25 @@ def _convert(g, job: Job, opts: Options, error):
     from .distributed import divide, divide_in_order, fingerprint
     from .verify import checked_source
 
+    if opts.divide not in DIVIDE:
+        raise InputError(f"--divide must be one of {', '.join(DIVIDE)} (got {opts.divide!r})")
     check_out(job.out, job.kind, opts.overwrite, job.inputs, error)  # before any work
     if job.source is None:  # a view opened by the caller (library use): no gate
         view, check = job.open_source(), None
     else:
         view, check = checked_source(job.source, job.open_source, job.label)
     dest = job.destination(view)
+    _check_complete(job, view, dest, error)  # before staging: no output that drops a tensor, or holds none
     finals = dest.prepare()  # before staging: what the finish needs, built and so validated now
     g.agree("output plans", {"--out": os.path.abspath(job.out),  # by path: a rank in another directory is named
                              "files": fingerprint(job.label, sorted(dest.files.items()), dest.total)})
+    g.agree("--divide", opts.divide)  # in the command line already; the Python API has no command line
     tmp = g.lead(lambda: staging(job.out, opts.overwrite, error, kind=job.kind, inputs=job.inputs), "staging")
     t0 = time.time()
     bar = None
     try:
         items = list(dest.items(tmp))
-        owner = (divide_in_order if os.environ.get("CKPT_TOOLS_DIVIDE") == "source" else divide)(
+        owner = (divide_in_order if opts.divide == "source" else divide)(
             [(rec.path, rec.nbytes) for rec, _ in items], g.world)
         share = [it for it, r in zip(items, owner) if r == g.rank]
         mine = sum(rec.nbytes for rec, _ in share)
@@ -142,6 +158,7 @@ def _convert(g, job: Job, opts: Options, error):
         bar.close()
         hold_point("data-written")
         parts = g.gather({"hashes": hashes, "bytes": mine}, "the end of the copy")
+        _check_written(tmp, items, owner, parts, g.world)  # every rank, from the same reports: the same verdict
 
         def finish():
             dest.finish(tmp, finals)
@@ -160,6 +177,43 @@ def _convert(g, job: Job, opts: Options, error):
     if g.world > 1:
         res["distributed"] = {"ranks": g.world, "rank": g.rank, "bytes_per_rank": [p["bytes"] for p in parts]}
     return view, dest, res
+
+
+def _check_complete(job: Job, view, dest: Destination, error):
+    """Refuse (one line, nothing staged) an output that would hold no tensor data, or fewer elements of a
+    source tensor than the tensor has: whatever the flags, every direction writes every element of every
+    source tensor at least once (vocab padding and vLLM replicas only add). A gap would be zero-filled by
+    the engine (it pads records no source covers, as for vocab padding rows) and published."""
+    from .layout import numel
+
+    out = f"--out {job.out}"
+    if not dest.files or dest.total <= 0:
+        raise error(f"{out}: the output would hold no tensor data ({len(dest.files)} files, {dest.total} bytes "
+                    f"of tensors): refused")
+    placed = dest.placed()
+    if placed is None:
+        return
+    for name in view.names():
+        want, got = numel(view.shapes[name]), placed.get(name, 0)
+        if got < want:
+            raise error(f"{out}: the output would hold {got} of the {want} elements of {name} (the source's "
+                        f"tensor): refused, nothing written")
+
+
+def _check_written(root: str, items: list, owner: list, parts: list, world: int):
+    """Before anything is finished or published: every byte of every destination record was reported
+    written, once, by some rank (``parts``: each rank's block hashes). A gap would be hashed into the manifest
+    as filler and published as zeros that single-side verify passes; ranks that divided the records otherwise
+    than rank 0 (or a rank that skipped its share) leave one. Under torchrun: :class:`PeerFailed` naming the
+    rank whose share it was (exit 4, nothing published); on one process it is a bug (an internal error)."""
+    bad = unwritten(root, [rec for rec, _ in items], [p["hashes"] for p in parts])
+    if bad is None:
+        return
+    i, why = bad
+    if world == 1:
+        raise ValueError(f"internal: {why}")
+    raise PeerFailed(f"{why} (rank {owner[i]}'s share of the {world} ranks' division): the ranks did not write "
+                     f"the output they planned; nothing was published")
 
 
 def copy(items, opts: Options, bar, hashes: list, check, error) -> dict:

@@ -28,8 +28,9 @@ EXIT_CODES = (
                 "a refused `--out` (an `OUT.lock` that is not ours included)"),
     (ENVIRONMENT, "I/O or environment failure: disk full (ENOSPC), read-only file system (EROFS), permission "
                   "(EACCES), EIO, another run holding `--out`; one line naming the path (or `--out`) and the errno"),
-    (PEER, "under torchrun: another rank failed or was lost (killed, its node gone, silent for `--dist-timeout`); "
-           "one line names it; nothing was published (the failing rank exits with its own code)"),
+    (PEER, "under torchrun: another rank failed or was lost (killed, its node gone, silent for `--dist-timeout`) "
+           "or did not write its share of the records (found before the finish); one line names it; nothing was "
+           "published (the failing rank exits with its own code)"),
     (128 + signal.SIGINT, "interrupted by SIGINT: the partial output was removed"),
     (128 + signal.SIGTERM, "interrupted by SIGTERM: the partial output was removed"),
     (128 + signal.SIGHUP, "interrupted by SIGHUP: the partial output was removed"),

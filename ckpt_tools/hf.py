@@ -380,6 +380,9 @@ class HFDestination(Destination):
                 rec = Rec(os.path.join(root, fn), off, shape, dtype, what=tname)
                 yield rec, functools.partial(self.ops, tname, rec)
 
+    def placed(self) -> dict:
+        return {t: numel(shape) for _, _, _, where in self.layout for t, (_, shape, _) in where.items()}
+
     def prepare(self) -> dict:
         return {INDEX: json.dumps(index_of(self.total, self.file_of), indent=2).encode(),
                 **side_files(self.side_dir, self.config)}

@@ -94,6 +94,44 @@ def write_manifest(root: str, hashes: list, skip=()) -> dict:
     return man
 
 
+def unwritten(root: str, records: list, reports: list):
+    """The first destination record not written exactly once by the ranks' reports, as (index, one line), or
+    None. ``records``: the copy's destination records (engine ``Rec``: path, offset, nbytes, what); ``reports``:
+    each rank's block hashes (path, offset, length, hex, what), as :func:`write_manifest` takes them. Run
+    before the manifest is written: a record no rank wrote would be hashed there as filler (zeros published as
+    if data), a record two ranks wrote means they divided the work differently."""
+    spans: dict = {}  # path -> sorted [(start, end, rank)]
+    for rank, hashes in enumerate(reports):
+        for path, off, n, _, _ in hashes:
+            spans.setdefault(path, []).append((off, off + n, rank))
+    merged: dict = {}  # path -> ([starts], [(start, end)]) of maximal runs written without overlap
+    for path, ss in spans.items():
+        ss.sort()
+        runs, twice = [], None
+        for a, b, r in ss:
+            if runs and a < runs[-1][1]:
+                twice = twice or (a, r, runs[-1][2])
+            if runs and a <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(b, runs[-1][1]), r)
+            else:
+                runs.append((a, b, r))
+        merged[path] = ([x[0] for x in runs], runs, twice)
+    for i, rec in enumerate(records):
+        n = rec.nbytes
+        if n == 0:
+            continue
+        rel = os.path.relpath(rec.path, root)
+        where = f"{rel}: record {rec.what or '?'} (bytes {rec.offset}..{rec.offset + n})"
+        starts, runs, twice = merged.get(rec.path, ([], [], None))
+        if twice is not None and rec.offset <= twice[0] < rec.offset + n:
+            return i, f"{where} was reported written by two ranks ({twice[2]} and {twice[1]})"
+        k = bisect.bisect_right(starts, rec.offset) - 1
+        if k < 0 or runs[k][1] < rec.offset + n:
+            done = 0 if k < 0 else max(0, min(runs[k][1], rec.offset + n) - rec.offset)
+            return i, f"{where} was reported written by no rank" + (f" past its first {done} bytes" if done else "")
+    return None
+
+
 class ManifestError(InputError):
     """The manifest itself is unreadable or malformed (one line naming it)."""
 

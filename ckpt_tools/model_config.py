@@ -76,7 +76,13 @@ def _int(d: dict, key: str, default=None, least: int = 1, alias: str | None = No
         raise ConfigError(f"{key} is {v!r}: not an integer")
     if v < least:
         raise ConfigError(f"{key} is {v}: must be >= {least}")
+    if v > MAX_FIELD:
+        raise ConfigError(f"{key} is {v}: more than {MAX_FIELD}, no model's")
     return v
+
+
+MAX_FIELD = 1 << 40  # any size or count field of a config (a vocab, a width, a layer or expert count)
+MAX_TENSORS = 1 << 22  # num_hidden_layers x num_experts: the tensors a config implies are listed one by one
 
 
 def config_from_dict(d: dict) -> ModelConfig:
@@ -97,6 +103,9 @@ def config_from_dict(d: dict) -> ModelConfig:
     experts = _int(d, "num_experts", 0, 0, alias="num_local_experts") if mt == "qwen3_moe" else 0
     topk = _int(d, "num_experts_per_tok", 0, 0)
     moe_ffn, ffn = _int(d, "moe_intermediate_size", 0, 0), _int(d, "intermediate_size", 0, 0)
+    if layers * max(1, experts) > MAX_TENSORS:
+        raise ConfigError(f"num_hidden_layers x num_experts is {layers} x {max(1, experts)}: more than {MAX_TENSORS}, "
+                          f"no model's (each expert's tensors are listed one by one)")
     if experts and topk > experts:
         raise ConfigError(f"num_experts_per_tok is {topk}: more than num_experts ({experts})")
     tie = d.get("tie_word_embeddings", False)

@@ -224,6 +224,14 @@ class TorchDistDestination(Destination):
             rec = Rec(os.path.join(root, fn), off, shp, cdt, head=head, tail=tail, what=c.key)
             yield rec, functools.partial(self._ops, c, rec)
 
+    def placed(self) -> dict:
+        """Elements of each HF tensor in the chunks (the pieces :meth:`_ops` copies)."""
+        out: dict = defaultdict(int)
+        for c in self.chunks:
+            for hf, hbox, _ in chunk_pieces(self.layout, c):
+                out[hf] += box_numel(hbox)
+        return dict(out)
+
     def _ops(self, c, rec) -> list:
         from .copyplan import Op, map_sub
 

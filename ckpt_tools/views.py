@@ -10,6 +10,8 @@ import os
 
 import torch
 
+import converters
+
 from .errors import InputError
 from .fsutil import read_json
 from .hf import HFError, HFReader
@@ -58,6 +60,19 @@ def widest(dtypes) -> torch.dtype | None:
                       f"into one: no dtype holds them all exactly (a mix of floats and integers?)")
 
 
+def check_weight_dtypes(path: str, cfg: ModelConfig, dtypes):
+    """``dtypes``: (tensor name, stored dtype) pairs of a source's weights; a dtype the model family does not
+    store weights in (converters/<family>.py ``WEIGHT_DTYPES``) is refused in one line naming the tensor."""
+    allowed = converters.get(cfg.model_type).WEIGHT_DTYPES
+    for name, dt in dtypes:
+        got = str(dt).replace("torch.", "")
+        if got not in allowed:
+            said = cfg.raw.get("torch_dtype") if isinstance(cfg.raw, dict) else None
+            raise FormatError(f"{path}: {name} is stored as {got}, not a dtype {cfg.model_type} weights are stored "
+                              f"in ({', '.join(allowed)})" + (f"; its config says {said}" if said else "")
+                              + ": refused rather than converted as it is")
+
+
 class HFView:
     kind = "hf"
 
@@ -67,6 +82,7 @@ class HFView:
         self.reader = HFReader(path)
         self.shapes = hf_shapes(self.cfg)
         self.dtype = self.reader.validate(self.shapes)  # None when the tensors' dtypes differ
+        check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype(n)) for n in self.shapes))
 
     def names(self):
         return list(self.shapes)
@@ -124,6 +140,7 @@ class McoreView:
         if self.extra_keys:
             raise FormatError(f"{path}: checkpoint holds model tensors the HF config does not explain, e.g. "
                               f"{self.extra_keys[0]} - another model or a mismatched --hf-config?")
+        check_weight_dtypes(path, cfg, ((k, self.ckpt.dtype(k)) for k in self.layout.tensors))
         dts = {self.ckpt.dtype(k) for k in self.layout.tensors}
         self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
@@ -249,6 +266,9 @@ class VllmView:
         meta = read_json(mp, FormatError)
         if "vllm_version" not in meta:
             raise FormatError(f"{path}: written by an older ckpt-tools (rank_*/ layout); run reshard again")
+        if not isinstance(meta["vllm_version"], str):
+            raise FormatError(f"{path}: {VLLM_META}: vllm_version is {meta['vllm_version']!r}, not a version string "
+                              f"(a damaged record; run reshard again)")
         self.meta = meta
         try:
             self.version, self.name_table = vllm_names.table(meta["vllm_version"])
@@ -277,6 +297,8 @@ class VllmView:
         problems = self._check_names()
         if problems:
             raise FormatError(f"{path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        check_weight_dtypes(path, self.cfg, ((f"{self.files[r]}: {n}", self.readers[r].dtype(n))
+                                             for r, tensors in enumerate(self.layout.ranks) for n in tensors))
         self.dtype = None
         self.hf_index = {}
         for r, tensors in enumerate(self.layout.ranks):

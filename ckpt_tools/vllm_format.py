@@ -14,7 +14,7 @@ import torch
 
 from .driver import Destination
 from .hf import safetensors_files, side_files, tensor_bytes
-from .layout import LayoutError, VllmParallel, boxes_disjoint_cover, numel
+from .layout import LayoutError, VllmParallel, box_numel, boxes_disjoint_cover, numel
 
 VLLM_META = "vllm_layout.json"
 
@@ -77,6 +77,14 @@ class VllmDestination(Destination):
         for r, fn, off, n, ts, dtype in self.recs:
             rec = Rec(os.path.join(root, fn), off, ts.shape, dtype, what=n)
             yield rec, functools.partial(self._ops, r, rec, ts)
+
+    def placed(self) -> dict:
+        """Elements of each HF tensor in the rank files written (the segments :meth:`_ops` copies)."""
+        out: dict = {}
+        for _, _, _, _, ts, _ in self.recs:
+            for seg in ts.segments:
+                out[seg.hf] = out.get(seg.hf, 0) + box_numel(seg.hf_box)
+        return out
 
     def _ops(self, r, rec, ts) -> list:
         from .copyplan import Op

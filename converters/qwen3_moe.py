@@ -21,6 +21,13 @@ save ``experts.experts.linear_fc{1,2}`` with a prepended global expert axis) and
 gate_proj/up_proj -> w13_weight (w1 first, w3 second), down_proj -> w2_weight).
 """
 
+# The dtypes this family's weights are stored in, by name (torch.<name>): HF's Qwen3 / Qwen3-MoE checkpoints are
+# bfloat16 (config torch_dtype), exports and Megatron checkpoints may hold fp16 / fp32 (megatron-core keeps fp32
+# norms). Any other stored dtype (integers, bool, fp8 - Qwen3's FP8 releases need their scale tensors, which this
+# table does not map -, fp64) is refused where a source is opened (views.check_weight_dtypes), before staging:
+# a checkpoint labelled I32 would otherwise convert as int32 without a word.
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
+
 GLOBAL = [
     dict(hf="model.embed_tokens.weight", mcore="embedding.word_embeddings.weight", shard="row", vocab=True,
          stage="first", vllm=("model.embed_tokens.weight", "vocab")),
