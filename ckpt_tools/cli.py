@@ -15,8 +15,9 @@ EPILOG = ("Every command streams tensors one at a time; nothing instantiates a m
           "Exit codes: " + "; ".join(f"{c} {m.replace('`', '')}" for c, m in EXIT_CODES) + ".")
 
 
-COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT = (numbers.arg(k) for k in (numbers.COUNT, numbers.SIZE, numbers.POSITIVE,
-                                                                          numbers.NONNEGATIVE, numbers.TIMEOUT))
+COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT, FRACTION = (
+    numbers.arg(k) for k in (numbers.COUNT, numbers.SIZE, numbers.POSITIVE, numbers.NONNEGATIVE, numbers.TIMEOUT,
+                             numbers.FRACTION))
 
 
 def _layers(s):
@@ -206,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency per point-to-point step of a collective and per bucket exchange, in us (default 30)")
     g.add_argument("--bucket-size", type=SIZE, default="256MiB",
                    help="bound on each rank's sync buffers per bucket (default 256MiB)")
+    g.add_argument("--density", type=FRACTION, default=None,
+                   help="also price a delta sync at this changed fraction of elements per step, in (0, 1] (e.g. 0.01): "
+                        "bytes per rollout rank and across nodes, predicted time, bytes ratio vs full, the senders' "
+                        "shadow memory per rank and per node (default: full sync only)")
     p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
 
     p = sub.add_parser("inspect", help="summarize a checkpoint dir (any format)")

@@ -89,7 +89,7 @@ def _plan_sync(args, cfg, par, vp, p):
     s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
                      ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,
                      vocab_size_divisible_by=args.vocab_div)
-    r = plan_sync(s, intra, inter, lat)
+    r = plan_sync(s, intra, inter, lat, density=args.density)
     if r["problems"]:
         raise LayoutError(f"sync schedule fails its own check: {r['problems'][0]}")
     p["sync"] = r
@@ -106,12 +106,37 @@ def _plan_sync(args, cfg, par, vp, p):
             ("bytes crossing nodes (all ranks)", fmt_bytes(o["cross_node_bytes"]), fmt_bytes(b["cross_node_bytes"])),
             ("point-to-point messages", f"{o['messages']:,}", f"{b['messages']:,}"),
             ("buckets / collectives", f"{o['buckets']:,} buckets", f"{b['collectives']:,} collectives"),
+            ("peers per rank (max / mean)", f"{o['peers_max']} / {o['peers_mean']:.1f}", "-"),
             ("predicted time", f"{o['predicted_seconds']:.2f} s", f"{b['predicted_seconds']:.2f} s")]
     print(f"{'':34} {'ckpt_tools.sync':>26} {'verl-style gather-all':>26}")
     for name, x, y in rows:
         print(f"{name:34} {x:>26} {y:>26}")
     print(f"largest rollout shard {fmt_bytes(o['recv_min_possible'])} (bytes_ratio {r['bytes_ratio']:.3f}); "
           f"whole model {fmt_bytes(o['model_bytes'])}; predicted speedup {r['predicted_speedup']:.1f}x")
+    if "delta" in r:
+        _print_delta(s, o, r["delta"])
+
+
+def _print_delta(s, o, d):
+    """The delta section of ``plan --sync --density D`` (sync_cost.delta_figures), next to the full sync."""
+    mm = lambda xs: f"{fmt_bytes(min(xs))} .. {fmt_bytes(max(xs))}"  # noqa: E731
+    enc = d["encodings"]
+    print(f"delta sync at density {d['density']:g} (that fraction of every message's elements changed since the last "
+          f"step; each message sent as the smallest of dense / bitmap + values / int32 indices + values, plus a "
+          f"{d['header_bytes']}-byte header; copies to itself stay local):")
+    rows = [("bytes received per rollout rank", mm(o["recv_net_bytes"]), mm(d["recv_net_bytes"])),
+            ("bytes sent per actor rank", mm(o["sent_bytes"]), mm(d["sent_bytes"])),
+            ("bytes crossing nodes (all ranks)", fmt_bytes(o["cross_node_bytes"]), fmt_bytes(d["cross_node_bytes"])),
+            ("bytes on the network (all ranks)", fmt_bytes(d["full_net_bytes"]), fmt_bytes(d["net_bytes"])),
+            ("messages dense / bitmap / indices", f"{d['messages']:,} / 0 / 0",
+             f"{enc['dense']:,} / {enc['bitmap']:,} / {enc['indices']:,}"),
+            ("predicted time", f"{o['predicted_seconds']:.2f} s", f"{d['predicted_seconds']:.2f} s")]
+    print(f"{'':34} {'full (over the network)':>26} {'delta':>26}")
+    for name, x, y in rows:
+        print(f"{name:34} {x:>26} {y:>26}")
+    print(f"bytes ratio delta / full {d['bytes_ratio']:.4f} ({1 / d['bytes_ratio']:.1f}x fewer); shadow memory (each "
+          f"sender keeps the full values it last sent to other ranks): {fmt_bytes(d['shadow_bytes_max_rank'])} per "
+          f"rank (max), {fmt_bytes(d['shadow_bytes_max_node'])} per node of {s.ranks_per_node} (max)")
 
 
 
@@ -258,6 +283,8 @@ def cmd_plan(args) -> int:
     from .layout import PLAN_FLAGS, LayoutError, vllm_parallel
     from .plan import STARTUP_SECONDS, plan_megatron, plan_vllm
 
+    if args.density is not None and not args.sync:
+        raise LayoutError("--density needs --sync (it prices the weight sync as a delta)")
     cfg = load_config(args.config)
     par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
     nbytes = DTYPES[args.dtype].itemsize
@@ -278,6 +305,7 @@ def cmd_plan(args) -> int:
         _plan_distributed(args, p)
     if args.sync and not args.vllm_tp:
         raise LayoutError("--sync needs --vllm-tp (the rollout topology)")
+
     vllm_only = [f for f, v in (("--vllm-dp", args.vllm_dp), ("--vllm-ep", args.vllm_ep),
                                 ("--vllm-expert-parallel", args.vllm_expert_parallel)) if v]
     if vllm_only and not args.vllm_tp:

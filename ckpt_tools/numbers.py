@@ -5,7 +5,8 @@
 * ``SIZE``: bytes (``4GiB``, ``5GB``, ``512MiB``, ``1e9``; a fraction of a byte dropped), at least 1;
 * ``POSITIVE``: a finite number > 0 (rates in GB/s, MB);
 * ``NONNEGATIVE``: a finite number >= 0 (a latency in us);
-* ``TIMEOUT``: seconds, finite, in (0, 604800] (a week).
+* ``TIMEOUT``: seconds, finite, in (0, 604800] (a week);
+* ``FRACTION``: a finite number in (0, 1] (a changed fraction of elements).
 
 The command line uses :func:`arg` as argparse ``type=`` (a bad value is argparse's usage error naming the flag,
 exit 2); an environment knob is read with :func:`env` (one line naming the variable); the Python API checks
@@ -88,14 +89,23 @@ def _timeout(v) -> float:
     return x
 
 
+def _fraction(v) -> float:
+    x = _float(v)
+    if not 0 < x <= 1:
+        raise ValueError
+    return x
+
+
 # kind -> (parser, what a value must be)
-COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT = "count", "size", "positive", "nonnegative", "timeout"
+COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT, FRACTION = ("count", "size", "positive", "nonnegative", "timeout",
+                                                          "fraction")
 KINDS = {
     COUNT: (_count, f"an integer from 1 to {MAX_COUNT}"),
     SIZE: (_size, "a size of at least 1 byte (e.g. 4GiB, 5GB, 512MiB, 1e9)"),
     POSITIVE: (_positive, "a finite number > 0"),
     NONNEGATIVE: (_nonnegative, "a finite number >= 0"),
     TIMEOUT: (_timeout, f"a number of seconds > 0 and <= {WEEK} (a week)"),
+    FRACTION: (_fraction, "a fraction > 0 and <= 1 (e.g. 0.01)"),
 }
 
 

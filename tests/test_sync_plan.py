@@ -11,7 +11,8 @@ from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel
 from ckpt_tools.model_config import config_from_dict, load_config
 from ckpt_tools.synth import TINY
 from ckpt_tools.sync import SyncSchedule
-from ckpt_tools.sync_cost import plan_sync
+from ckpt_tools import cli
+from ckpt_tools.sync_cost import delta_figures, plan_sync
 from ckpt_tools.testing.baselines import gather_all_figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,89 @@ def test_users_235b_schedule(users_job):
     assert r["predicted_speedup"] > 10
 
 
+def test_users_235b_delta(users_job):
+    """`plan --sync --density`: the users' job at ~1% changed elements per step sends >= 10x fewer bytes than the
+    full sync (per rollout rank, across nodes, in all) and is predicted faster; at density 1 every message goes
+    dense: never more than the full sync plus one header per message. Shadow memory = what each sender puts on
+    the network in full (self copies need none)."""
+    s, r = users_job
+    o = r["ours"]
+    d = delta_figures(s, 0.01)
+    assert d["full_net_bytes"] == sum(o["sent_bytes"]) == sum(o["recv_net_bytes"])
+    assert d["messages"] == o["messages"] and d["encodings"]["indices"] > 0.9 * d["messages"]
+    assert 10 * d["net_bytes"] <= d["full_net_bytes"] and d["bytes_ratio"] <= 0.1
+    assert 10 * max(d["recv_net_bytes"]) <= max(o["recv_net_bytes"])
+    assert 10 * max(d["sent_bytes"]) <= max(o["sent_bytes"])
+    assert 10 * d["cross_node_bytes"] <= o["cross_node_bytes"]
+    assert d["predicted_seconds"] < o["predicted_seconds"] / 5
+    assert d["shadow_bytes"] == o["sent_bytes"] and d["shadow_bytes_max_rank"] == max(o["sent_bytes"])
+    assert len(d["shadow_bytes_per_node"]) == 16 and d["shadow_bytes_max_node"] > 7 * d["shadow_bytes_max_rank"]
+    assert sum(d["shadow_bytes_per_node"]) == d["full_net_bytes"]
+    # peers (a link per peer on NCCL / HCCL): every rank talks to other ranks, none to all 127
+    assert 1 <= min(o["peers"]) and o["peers_max"] < 127 and len(o["peers"]) == 128
+    full = delta_figures(s, 1.0)
+    into = {dst: sum(1 for _b, src, _ps in s.messages_to(dst) if src != dst) for dst in s.rollout_ranks}
+    assert full["encodings"] == {"dense": full["messages"], "bitmap": 0, "indices": 0}
+    assert full["net_bytes"] == d["full_net_bytes"] + 16 * full["messages"]
+    for i, dst in enumerate(s.rollout_ranks):
+        assert o["recv_net_bytes"][i] < full["recv_net_bytes"][i] <= o["recv_net_bytes"][i] + 16 * into[dst]
+
+
+def test_delta_figures_hand_computed_small():
+    """The delta model on a schedule small enough to count by hand: Qwen3 dense, 2 layers (hidden 64, 8 q / 4 kv
+    heads of 16, ffn 96, vocab 256, untied), actor PP2 on ranks 0 / 1, two colocated vLLM TP1 replicas (each rank
+    needs the whole model), one bucket. Rank 0 (embedding + layer 0) sends rank 1 its stage, rank 1 (layer 1 +
+    final norm + lm_head) sends rank 0 its stage: one message each way.
+    A layer: q 128x64 + k 64x64 + v 64x64 + o 64x128 + gate/up/down 3 x 96x64 + norms 64+64+16+16 = 43,168 elements;
+    embed / lm_head 256x64 = 16,384; so n(0->1) = 59,552 and n(1->0) = 59,616 elements of 2 bytes."""
+    cfg = config_from_dict(dict(TINY, model_type="qwen3", num_hidden_layers=2))
+    s = SyncSchedule(cfg, MegatronParallel.build(2, pp=2), VllmParallel(1), "te", rollout_replicas=2,
+                     ranks_per_node=1, bucket_bytes=1 << 30)
+    assert s.check() == [] and s.stats()["sent_bytes"] == [59_552 * 2, 59_616 * 2] and len(s.buckets) == 1
+    # density 0.01: k = 596 (595.52, 596.16); indices 4k + 2k = 3,576 < bitmap ceil(n/8) in 8-byte words
+    # (7,448 / 7,456) + 2k = 8,640 / 8,648 < dense; + 16-byte header = 3,592 each way
+    d = delta_figures(s, 0.01, inter_gbps=25, latency_us=30)
+    assert d["recv_net_bytes"] == [3_592, 3_592] and d["sent_bytes"] == [3_592, 3_592]
+    assert d["encodings"] == {"dense": 0, "bitmap": 0, "indices": 2} and d["messages"] == 2
+    assert d["net_bytes"] == d["cross_node_bytes"] == 7_184 and d["full_net_bytes"] == 238_336
+    assert d["bytes_ratio"] == 7_184 / 238_336
+    # density 0.5: k = 29,776 / 29,808; bitmap 7,448 + 59,552 = 67,000 / 7,456 + 59,616 = 67,072 (indices 6k and
+    # dense 2n are larger) + 16. One node per rank: rank 0 receives 67,088 and sends 67,016; the slowest link
+    # carries 67,088 bytes at 25 GB/s, plus one bucket's 30 us
+    d = delta_figures(s, 0.5, inter_gbps=25, latency_us=30)
+    assert d["recv_net_bytes"] == [67_088, 67_016] and d["sent_bytes"] == [67_016, 67_088]
+    assert d["encodings"]["bitmap"] == 2
+    assert d["predicted_seconds"] == pytest.approx(67_088 / 25e9 + 30e-6, rel=1e-12)
+    # density 1: dense, 2n + 16
+    d = delta_figures(s, 1.0)
+    assert d["recv_net_bytes"] == [59_616 * 2 + 16, 59_552 * 2 + 16] and d["encodings"]["dense"] == 2
+    # shadow: each rank keeps what it sent the other one (2n bytes); peers: one each
+    assert d["shadow_bytes"] == [119_104, 119_232] and d["shadow_bytes_per_node"] == [119_104, 119_232]
+    ours = plan_sync(s)["ours"]
+    assert ours["peers"] == [1, 1] and ours["peers_max"] == 1 and ours["peers_mean"] == 1.0
+    # both ranks on one node: no byte crosses nodes, the node keeps both shadows
+    s2 = SyncSchedule(cfg, MegatronParallel.build(2, pp=2), VllmParallel(1), "te", rollout_replicas=2,
+                      ranks_per_node=2, bucket_bytes=1 << 30)
+    d = delta_figures(s2, 0.01, intra_gbps=100, latency_us=0)
+    assert d["cross_node_bytes"] == 0 and d["shadow_bytes_per_node"] == [238_336] and d["shadow_bytes_max_node"] == 238_336
+    assert d["predicted_seconds"] == pytest.approx(3_592 / 100e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "2", "inf", "1%"])
+def test_plan_density_refused_in_one_line(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", *USERS, "--density", bad])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].endswith(f"argument --density: must be a fraction > 0 and <= 1 (e.g. 0.01) (got {bad!r})"), err
+
+
+def test_plan_density_needs_sync(capsys):
+    rc = cli.main(["plan", *USERS[:-1], "--density", "0.01"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and "--density needs --sync" in err[0], err
+
+
 def test_gather_all_counts_small():
     """The collective model on a topology small enough to count by hand: 1 layer, 4 experts, PP2 x TP2 x EP2."""
     cfg = config_from_dict(dict(TINY, model_type="qwen3_moe", num_hidden_layers=2, num_experts=4))
@@ -90,7 +174,7 @@ def _cli(*args):
 
 def test_plan_sync_cli(tmp_path):
     out = tmp_path / "plan.json"
-    r = _cli(*USERS, "--inter-node-gbps", "50", "--json", str(out))
+    r = _cli(*USERS, "--inter-node-gbps", "50", "--density", "0.01", "--json", str(out))
     assert r.returncode == 0, r.stderr
     txt = r.stdout
     assert "2 replica(s) of 64" in txt and "128 ranks on 16 nodes x 8" in txt
@@ -102,6 +186,14 @@ def test_plan_sync_cli(tmp_path):
     j = json.loads(out.read_text())["sync"]
     assert j["inter_node_gbps"] == 50 and j["rollout_replicas"] == 2 and j["bytes_ratio"] == 1.0
     assert j["baseline"]["predicted_seconds"] > j["ours"]["predicted_seconds"] > 0
+    # --density: the delta section, in the text and the JSON (figures: test_users_235b_delta)
+    d = j["delta"]
+    assert d["density"] == 0.01 and d["bytes_ratio"] < 0.1 and 0 < d["predicted_seconds"] < j["ours"]["predicted_seconds"]
+    assert j["ours"]["peers_max"] >= 1 and len(j["ours"]["peers"]) == 128
+    assert "delta sync at density 0.01" in txt and "peers per rank (max / mean)" in txt
+    for row in ("bytes on the network (all ranks)", "messages dense / bitmap / indices", "shadow memory"):
+        assert row in txt
+    assert f"bytes ratio delta / full {d['bytes_ratio']:.4f}" in txt
 
 
 def test_plan_sync_cli_errors():
