@@ -15,8 +15,7 @@ from conftest import free_port
 from test_distributed import QUIET, TOPO, _launch
 from test_trust_fs import _tree
 from ckpt_tools import cli, convert, distributed
-from ckpt_tools.errors import PeerFailed
-from ckpt_tools.integrity import MANIFEST, unwritten
+from ckpt_tools.integrity import MANIFEST
 from ckpt_tools.layout import MegatronLayout, VllmParallel
 
 
@@ -90,6 +89,7 @@ def test_divide_is_checked_and_documented(tiny_hf, tmp_path, capsys):
 # ----------------------------------------------------------------------------------- the finish: every record written
 def test_unwritten_names_a_gap_and_a_record_written_twice():
     from ckpt_tools.copyplan import Rec
+    from ckpt_tools.integrity import unwritten
 
     recs = [Rec("/o/f", 0, (4,), torch.float32, what="a"), Rec("/o/f", 16, (4,), torch.float32, what="b"),
             Rec("/o/g", 8, (2,), torch.float32, what="c")]
