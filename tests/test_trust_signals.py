@@ -96,16 +96,16 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout(tiny_hf_bf16, tmp_p
     """Rank 0 without rank 1, and rank 1 without rank 0's store: exit 4, one line each, within --dist-timeout
     (was: a DistStoreError traceback, exit 1)."""
     p0, p1 = free_port(), free_port()
-    argv = ["hf2mcore", "--hf", tiny_hf_bf16, "--out", str(tmp_path / "mc"), *QUIET, "--dist-timeout", "2"]
+    argv = ["hf2mcore", "--hf", tiny_hf_bf16, "--out", str(tmp_path / "mc"), *QUIET, "--dist-timeout", "5"]
     procs = [_rank(0, p0, argv), _rank(1, p1, argv)]
     res = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
     (rc0, err0), (rc1, err1) = res
     assert rc0 == 4 and _lines(err0) == [
-        f"ckpt-tools hf2mcore: rank 0: error: rank 1 never joined: not started within 2 s (--dist-timeout; "
+        f"ckpt-tools hf2mcore: rank 0: error: rank 1 never joined: not started within 5 s (--dist-timeout; "
         f"the job's store is at 127.0.0.1:{p0})"], err0
     assert rc1 == 4 and _lines(err1) == [
         f"ckpt-tools hf2mcore: rank 1: error: rank 0 never joined: rank 1 found no store at 127.0.0.1:{p1} "
-        f"(MASTER_ADDR:MASTER_PORT) within 2 s (--dist-timeout)"], err1
+        f"(MASTER_ADDR:MASTER_PORT) within 5 s (--dist-timeout)"], err1
     assert os.listdir(tmp_path) == []
 
 
