@@ -19,13 +19,15 @@ Switches (environment variables, read at every step on every rank; set them in t
 * ``CKPT_TOOLS_SYNC_VERIFY`` = ``every`` (default) | ``first`` | ``off``: prove after ``load_weights``, without a
   gather, that every vLLM parameter region a rank was sent holds exactly the bytes the actor sent (see
   ckpt_tools.sync.sync_weights).
+* ``CKPT_TOOLS_SYNC_DELTA`` = ``off`` (default) | ``on``: send only the changed elements after the first step
+  (ckpt_tools.sync_weights ``delta``; docs/sync.md says what it costs); every rank must have the same value.
 * ``CKPT_TOOLS_SYNC_TIMEOUT`` (seconds, default 600; in (0, a week]): bound on every wait of the sync;
   ``CKPT_TOOLS_SYNC_BUCKET_MB`` (default 256; > 0): per-rank buffer bound per bucket. Checked by ckpt_tools.numbers.
 
 The schedule is built once, on the first step, from what the job already has: megatron's parallel_state
 (PP / TP / EP / ETP sizes), the transformer config (uneven first / last stages), the HF config (``model_config``),
 the rollout config (``tensor_model_parallel_size``, ``dp_model_parallel_size``, ``enable_expert_parallel``), the
-world size, ``LOCAL_WORLD_SIZE`` (devices per node), the live chunks (layer spec, Megatron vocab padding) and the
+world size, ``LOCAL_WORLD_SIZE`` (else ``RAY_LOCAL_WORLD_SIZE``: devices per node), the live chunks (layer spec, Megatron vocab padding) and the
 live vLLM model (dtype). Every rank is an actor rank and a rollout rank (verl's hybrid engine).
 
 On any :class:`~ckpt_tools.sync.SyncError` the step fails with its one-line message: rollout never runs on
@@ -90,6 +92,10 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     if world % mpar.world:
         raise SyncError(f"weight sync: world size {world} is not a multiple of the actor's {mpar.describe()}")
     rc = manager.rollout_config
+    htp = rc.get("hybrid_tp", None) if hasattr(rc, "get") else None
+    if htp and (htp.get("enabled") if hasattr(htp, "get") else htp):  # MindSpeed-RL / vllm-ascend: other TP per layer
+        raise SyncError("weight sync refused: rollout hybrid_tp.enabled changes vllm-ascend's per-layer tensor "
+                        "parallel layout, which ckpt_tools' sync does not plan (set CKPT_TOOLS_SYNC=verl)")
     vpar = VllmParallel(int(rc.get("tensor_model_parallel_size", 1)), int(rc.get("dp_model_parallel_size", 1) or 1),
                         bool(rc.get("enable_expert_parallel", False)))
     if world % vpar.world:
@@ -114,8 +120,11 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     rows_n = rows.pop() if rows else cfg.vocab
     dtype = next(vllm_model.parameters()).dtype
     bucket_mb = numbers.env("CKPT_TOOLS_SYNC_BUCKET_MB", 256, numbers.POSITIVE, SyncError)
+    # devices per node: verl's Ray workers set only RAY_LOCAL_WORLD_SIZE (verl/single_controller/ray/base.py)
+    per_node = (numbers.env("LOCAL_WORLD_SIZE", 8, numbers.COUNT, SyncError) if "LOCAL_WORLD_SIZE" in os.environ
+                else numbers.env("RAY_LOCAL_WORLD_SIZE", 8, numbers.COUNT, SyncError))
     return SyncSchedule(cfg, mpar, vpar, specs.pop(), rollout_replicas=world // vpar.world,
-                        ranks_per_node=numbers.env("LOCAL_WORLD_SIZE", 8, numbers.COUNT, SyncError), dtype=dtype,
+                        ranks_per_node=per_node, dtype=dtype,
                         bucket_bytes=int(bucket_mb * 2 ** 20),
                         actor_dp=world // mpar.world, vocab_size_divisible_by=rows_n if rows_n != cfg.vocab else None)
 
@@ -152,8 +161,9 @@ def _transfer(manager, state: _State, model, mode: str, verl_transfer):
                 if p.is_floating_point():
                     p.fill_(float("nan"))
     verify = verify_mode == "every" or (verify_mode == "first" and not state.verified)
+    delta = _env("CKPT_TOOLS_SYNC_DELTA", "off", ("on", "off")) == "on"  # ranks that differ: refused in the preflight
     cnt = sync_weights(sched, manager.actor_module, model, group=None, control_group=state.control,
-                       timeout_s=timeout, verify=verify)
+                       timeout_s=timeout, verify=verify, delta=delta)
     state.verified |= verify
     report.update(cnt, verified=verify)
     if before is not None:
