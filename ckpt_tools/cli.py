@@ -244,6 +244,15 @@ def _quiet_c10d():
 
 
 def main(argv=None) -> int:
+    code = _main(argv)
+    if argv is None and distributed.waiting_in_c():  # the console script: this process is ours to end
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)  # not through finalization: a thread still in a C++ call would abort it (SIGABRT)
+    return code
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     _quiet_c10d()
     from .commands import run

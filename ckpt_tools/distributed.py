@@ -223,6 +223,13 @@ def _in_thread(fn, deadline: float, what: str):
     return v
 
 
+def waiting_in_c() -> bool:
+    """Whether a thread of :func:`_in_thread` is still inside its C call (a connect given up on at our deadline):
+    it must not return into the interpreter's finalization (unwound through noexcept C++ frames, the process
+    aborts after our line: "terminate called without an active exception"); cli ends with ``os._exit``."""
+    return any(t.name in ("ckpt-tools-connect", "ckpt-tools-lookup") and t.is_alive() for t in threading.enumerate())
+
+
 def _resolve(host: str, deadline: float):
     """MASTER_ADDR looked up (in a thread: getaddrinfo blocks in C); one line naming it when the name does not
     exist (c10d would retry the lookup until its timeout, logging each try)."""

@@ -122,6 +122,47 @@ def test_c10d_says_nothing_before_our_line(tiny_hf_bf16, tmp_path):
     assert "rank 1: error: rank 0 never joined: rank 1 found no store at 127.0.0.1:" in errb, errb
 
 
+SLOW_CONNECT = """
+import atexit, datetime, os
+import torch.distributed as dist
+_real = dist.TCPStore
+def _slow(host, port, n, server, **kw):  # a connect that stays in C++ past ckpt-tools' deadline, then fails
+    s = _real("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    try:
+        s.wait(["never"], datetime.timedelta(seconds=float(os.environ["SLOW_CONNECT_S"])))
+    except Exception:
+        pass
+    raise RuntimeError("slow connect")
+dist.TCPStore = _slow
+atexit.register(lambda: open(os.environ["FINALIZED"], "w").close())  # runs only on a finalizing exit
+"""
+
+
+def test_a_connect_left_in_cpp_does_not_abort_the_exit(tiny_hf_bf16, tmp_path):
+    """The store connect that our deadline gave up on is still inside its C++ call when the command returns
+    (c10d overran its own timeout under load in CI). Seen: "terminate called without an active exception",
+    SIGABRT after our one line, when that call returned into the interpreter's finalization (the thread is
+    unwound through noexcept C++ frames). The race cannot be forced, its cause can: with a C call still
+    running the command must end with its code without finalizing (``os._exit``; an atexit handler, which a
+    finalizing exit runs, marks the difference). The connect here waits 20 s in C++, our deadline is 1.3 s."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_CONNECT)
+    mark = tmp_path / "finalized"
+    argv = ["hf2mcore", "--hf", tiny_hf_bf16, "--out", str(tmp_path / "mc"), *QUIET, "--dist-timeout", "0.3"]
+    p = _rank(1, free_port(), argv, PYTHONPATH=str(site) + os.pathsep + ROOT, SLOW_CONNECT_S="20",
+              FINALIZED=str(mark))
+    rc, err = p.wait(timeout=120), p.communicate()[1]
+    assert rc == 4 and _lines(err) == [l for l in _lines(err) if "never joined" in l], (rc, err)
+    assert "rank 1: error: rank 0 never joined: rank 1 found no store at 127.0.0.1:" in err, err
+    assert not mark.exists(), "exited through the interpreter's finalization with a C call still running"
+    assert not (tmp_path / "mc").exists()
+    # the common case still finalizes normally (no C call left): an unknown host is refused before any
+    p = _rank(1, free_port(), argv, PYTHONPATH=str(site) + os.pathsep + ROOT, SLOW_CONNECT_S="20",
+              FINALIZED=str(mark), MASTER_ADDR="no-such-host.invalid")
+    assert p.wait(timeout=120) == 2 and mark.exists(), p.communicate()[1]
+
+
 @pytest.mark.parametrize("port", ["70000", "0", "29500.5"])
 def test_a_bad_master_port_is_one_line_naming_it(monkeypatch, capsys, tmp_path, port):
     from ckpt_tools.cli import main
