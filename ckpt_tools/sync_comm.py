@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from .digest import digest
+
 
 class SyncError(RuntimeError):
     """A weight sync was refused or failed; the message is one line and says what vLLM now holds."""
@@ -67,6 +69,36 @@ def _wait_data(work, deadline: float, timeout_s: float, gloo: bool):
             raise TimeoutError(f"no answer within {timeout_s:g} s")
         time.sleep(0.0005)
     work.wait()
+
+
+# Transfers of a failed step that were posted and never completed: their buffers stay referenced here until the
+# process ends (a SyncError abandons the job). torch_npu's batch_isend_irecv keeps only the first tensor of a batch
+# alive (torch_npu 2.7.1 ProcessGroupHCCL); a buffer freed while the device still reads or writes it corrupts
+# whatever reuses that memory.
+ABANDONED: list = []
+
+
+def _rank_of(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device_of(model, default="cpu"):
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device(default)
+
+
+def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """:func:`ckpt_tools.digest.digest` for the sync: a failure inside it (a device error, memory) is a one-line
+    SyncError naming the rank and the tensor, like every other failure of a step."""
+    try:
+        return digest(t, dtype)
+    except Exception as e:  # noqa: BLE001
+        raise SyncError(f"weight sync failed on rank {_rank_of(None)}: the digest of a {tuple(t.shape)} {t.dtype} "
+                        f"tensor on {t.device} failed ({type(e).__name__}: {_one_line(e)})") from None
 
 
 def _one_line(e: BaseException) -> str:

@@ -14,9 +14,9 @@ from collections import defaultdict
 import torch
 
 from . import numbers, sync_apply, sync_delta, vllm_live
-from .digest import digest
 from .layout import box_numel, box_shape, box_slices
-from .sync_comm import SyncError, _comm, _exchange_summaries, _one_line, _wait_data
+from .sync_comm import ABANDONED, SyncError, _comm, _device_of, _exchange_summaries, _one_line, _rank_of, _wait_data
+from .sync_comm import checked_digest as digest
 from .sync_delta import DENSE
 from .sync_schedule import SyncSchedule
 from .sync_verify import _all_to_all, _flat, _verify, _views
@@ -124,13 +124,6 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
     return chunks, live
 
 
-def _device_of(model, default="cpu"):
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration, TypeError):
-        return torch.device(default)
-
-
 class SyncState:
     """What one process keeps between steps of one schedule: the direct-apply map's validity and fallback set
     (receiver), the shadows of what it last sent (sender, delta)."""
@@ -188,14 +181,27 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     (elements that changed / were compared), ``buckets``, ``tensors_delivered``, ``verified_pieces``,
     ``unproven_pieces`` (fallback parameters' pieces: transfer proven, installation done by vLLM's loader),
     ``direct`` (this step replayed the map), ``map_learned``, ``fallback_params``, ``encode_seconds``,
-    ``transfer_seconds``, ``apply_seconds``, ``verify_seconds``, ``seconds``, and ``job``: the same sums over
-    every rank (rank 0 logs them in one line)."""
+    ``transfer_seconds``, ``apply_seconds``, ``verify_seconds``, ``seconds``, ``scratch_bytes`` (reused flat buffers,
+    one message at most per device; freed on devices at the step's end), ``job``: the sums over all ranks."""
     timeout_s = numbers.check(timeout_s, numbers.TIMEOUT, "timeout_s", SyncError)
     if shadow not in ("host", "device"):
         raise SyncError(f"shadow must be 'host' or 'device' (got {shadow!r})")
     with torch.no_grad():
-        return _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
-                     direct, delta and direct, shadow).run()
+        try:
+            return _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
+                         direct, delta and direct, shadow).run()
+        except SyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a digest, an allocation, a device error: one line like every other
+            raise SyncError(f"weight sync failed on rank {_rank_of(group)}: {type(e).__name__}: {_one_line(e)}; "
+                            f"vLLM weights may be partially updated") from None
+        finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults)
+            scratch = getattr(schedule, "__dict__", {}).get("_scratch", {})
+            for dev in [d for d in scratch if d != "cpu"]:
+                del scratch[dev]
+
+
+
 
 
 _COUNTERS = ("recv_bytes", "recv_net_bytes", "sent_bytes", "sent_full_bytes", "local_bytes", "messages_sent",
@@ -266,6 +272,7 @@ class _Step:
         self.st.steps += 1
         self.cnt["fallback_params"] = sorted(self.st.fallback)
         self.cnt["fallback_reasons"] = dict(sorted(self.st.fallback.items()))
+        self.cnt["scratch_bytes"] = sum(t.numel() * t.element_size() for t in self.scratch.values())
         self.cnt["seconds"] = time.perf_counter() - t0
         self.cnt["job"] = self._report()
         return self.cnt
@@ -419,25 +426,32 @@ class _Step:
             works = dist.batch_isend_irecv(ops) if ops else []
         except Exception as e:  # noqa: BLE001
             raise self.fail(b, f"posting transfers failed ({_one_line(e)})") from None
-        # while they run: the full-shape HF tensors this bucket needs, the self copies, the digests of what is sent
-        full = self._full_tensors(selfs + [p for ps in recvs.values() for p in ps])
-        ta = time.perf_counter()
-        self._self_copies(b, selfs, full)
-        self._timed("apply_seconds", ta)
-        tv = time.perf_counter()
-        for dst, new in news.items():
-            d = digest(new) if (self.verify or self.delta) else None
-            if self.verify:
-                self.sent_digests[dst].append((b, d))
-            if self.delta:
-                st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
-                st.shadow_digest[(b, dst)] = int(d)
-        if self.verify and selfs:
-            self.sent_digests[rank].append((b, digest(_flat([self.src_view(p) for p in selfs], dtype, self.scratch))))
-        self._timed("verify_seconds", tv)
-        tt = time.perf_counter()
-        self._wait_all(b, works, sends, recvs)
-        self._timed("transfer_seconds", tt)
+        try:  # a failure while they run (a digest, memory): the posted buffers stay referenced (see sync_comm.ABANDONED)
+            # while they run: the full-shape HF tensors this bucket needs, the self copies, the digests of what is sent
+            full = self._full_tensors(selfs + [p for ps in recvs.values() for p in ps])
+            ta = time.perf_counter()
+            self._self_copies(b, selfs, full)
+            self._timed("apply_seconds", ta)
+            tv = time.perf_counter()
+            for dst, new in news.items():
+                d = digest(new) if (self.verify or self.delta) else None
+                if self.verify:
+                    self.sent_digests[dst].append((b, d))
+                if self.delta:
+                    st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
+                    st.shadow_digest[(b, dst)] = int(d)
+            if self.verify and selfs:
+                mine = _flat([self.src_view(p) for p in selfs], dtype, self.scratch)
+                self.sent_digests[rank].append((b, digest(mine)))
+            self._timed("verify_seconds", tv)
+            tt = time.perf_counter()
+            self._wait_all(b, works, sends, recvs)
+            self._timed("transfer_seconds", tt)
+        except BaseException as e:
+            ABANDONED.append((works, ops, payloads, rbufs))
+            if isinstance(e, SyncError) or not isinstance(e, Exception):
+                raise
+            raise self.fail(b, f"{type(e).__name__}: {_one_line(e)}") from None
         ta = time.perf_counter()
         for src, ps in recvs.items():
             buf = rbufs[src]

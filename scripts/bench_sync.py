@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""Weight-sync benchmark: ``ckpt_tools.sync.sync_weights`` without and with verification (``ours``,
-``ours_verified``) against the verl-style gather-everything baseline (``ckpt_tools.testing.baselines.sync_weights_gather_all``: per tensor,
-every rank assembles the full tensor, then ``load_weights``).
+"""Weight-sync benchmark over several training steps: ``ckpt_tools.sync.sync_weights`` full as before
+(``ours``), with direct apply (``ours_direct``) and with direct apply + delta (``ours_delta``), each also with
+per-step verification (``*_verified``), against the verl-style gather-everything baseline
+(``ckpt_tools.testing.baselines.sync_weights_gather_all``: per tensor, every rank assembles the full tensor, then
+``load_weights``).
 
-    python scripts/bench_sync.py --quick --json sync.json   # 8 gloo processes, < 3 min on 2 cores
+    python scripts/bench_sync.py --quick --json sync.json   # 8 gloo processes, a few minutes on 2 cores
     python scripts/bench_sync.py --json sync.json           # the full shape: 94 layers, 128 experts
 
-One run launches N processes (``torch.multiprocessing``, gloo on localhost), builds one
-:class:`~ckpt_tools.sync.SyncSchedule` on every rank, and runs the three methods in turn (``--repeats`` each, the
-order rotated every repeat so each method runs first, middle and last) on the same weights; the table shows the
-median.
+One run launches N processes (``torch.multiprocessing``, gloo on localhost) and runs ``--steps`` training steps.
+Between steps the actor's weights move as an optimizer moves them: every actor chunk keeps an fp32 master copy
+that takes a step of about ``--rel`` of each weight (random sign and size: ``m += |m| * rel * randn``, seeded by
+the chunk's key and box so DP replicas stay identical) and the bf16 weights are its rounding, so only the elements
+whose master crossed a bf16 rounding boundary change (``--rel 7e-5`` gives about 1%; the table prints the
+density the syncs measured). Every step, each method syncs the same actor weights into its own receivers (each
+method has its own schedule object, so its own direct-apply map and delta shadows), in an order rotated every
+step; after every step the receivers of every method are compared bitwise with the baseline's. Step 1 is the
+learning / full step of every method; the table shows the median of the later steps (``seconds``) and step 1
+apart (``step1_s``).
 
 Topology (colocated, as verl's hybrid engine): the actor is Megatron PP2 x TP2 x EP2 (ETP2) with uneven
 stages - 8 ranks, dense DP 2 - and the rollout 2 replicas of vLLM TP2 x DP2 with expert parallel (EP4) on the
@@ -38,13 +46,13 @@ WHAT IS REAL AND WHAT IS NOT (read before quoting numbers):
 * Both methods write the same receiver parameters; after the run every rank compares what each method left
   (bitwise) and the table says whether they agree.
 
-Figures per method: ``seconds`` (median over repeats, barrier to barrier, slowest rank), bytes received
-(max / min over rollout ranks, from the sync's own counters; ``recv_bytes`` includes a colocated rank's
-copies to itself), ``bytes_received_min_possible`` (the largest rollout shard: no method can deliver less to
-that rank), messages, and ``peak_rss_gib`` (the largest resident set of any rank while that method ran,
-sampled every 5 ms). ``speedup`` = baseline seconds / ours (``speedup_verified``: / ours_verified);
-``verified_over_ours`` = ours_verified seconds / ours; ``bytes_ratio`` = ours max received / the
-largest shard.
+Figures per method: ``seconds`` (median over steps 2..N, barrier to barrier, slowest rank; step 1 in
+``step1_s``), ``sent_mib`` (bytes put on the wire by all ranks in the last step: payload + headers; a colocated
+rank's copies to itself are not sent), ``bytes_ratio`` (``ours`` sent / this method's sent, last step),
+``density`` (changed / compared elements, from the delta syncs' own counters), messages full / delta,
+``encode / transfer / apply / verify`` seconds of the last step (slowest rank, from the sync's counters) and
+``peak_rss_gib`` (the largest resident set of any rank while that method ran, sampled every 5 ms).
+``speedup`` = baseline seconds / ours; ``verify_cost`` = ``X_verified`` seconds / ``X`` for each X.
 """
 from __future__ import annotations
 
@@ -61,9 +69,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-QUICK = dict(layers=16, experts=64, layer_list=[7, 9], repeats=3)
-FULL = dict(layers=94, experts=128, layer_list=[46, 48], repeats=3)
-METHODS = ["baseline", "ours", "ours_verified"]
+QUICK = dict(layers=16, experts=64, layer_list=[7, 9], steps=4)
+FULL = dict(layers=94, experts=128, layer_list=[46, 48], steps=4)
+OPTS = {"ours": dict(direct=False, delta=False), "ours_direct": dict(direct=True, delta=False),
+        "ours_delta": dict(direct=True, delta=True)}
+METHODS = ["baseline"] + [m + v for m in OPTS for v in ("", "_verified")]
 WIDTHS = dict(hidden=256, head_dim=32, moe_ffn=64, vocab=2048)
 
 
@@ -94,54 +104,72 @@ class _Peak:
         return max(self.peak, _rss())
 
 
+def _perturb(actor, masters, step, rel):
+    """One optimizer-like step on every chunk this rank holds (see the module doc): fp32 master += |master| *
+    rel * randn, seeded by (chunk, step) so that DP replicas of a chunk move identically; bf16 = its rounding."""
+    import zlib
+
+    import torch
+
+    for key, st in actor.items.items():
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{key}#{step}".encode()))
+        m = masters[key]
+        m.add_(m.abs() * rel * torch.randn(m.shape, generator=gen))
+        st.data.copy_(m.to(st.data.dtype))
+
+
+def _fns():
+    from ckpt_tools.sync import sync_weights
+    from ckpt_tools.testing.baselines import sync_weights_gather_all
+
+    fns = {"baseline": sync_weights_gather_all}
+    for m, opts in OPTS.items():
+        fns[m] = functools.partial(sync_weights, verify=False, **opts)
+        fns[m + "_verified"] = functools.partial(sync_weights, verify=True, **opts)
+    return fns
+
+
 def _worker(rank, world, init, args, q):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from ckpt_tools.sync import sync_weights
     from ckpt_tools.testing import FakeActor, LayoutReceiver
-    from ckpt_tools.testing.baselines import sync_weights_gather_all
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        sched = _schedule(args)
+        scheds = {m: _schedule(args) for m in METHODS}  # one each: its own direct map and delta shadows
+        sched = scheds["baseline"]
         dtype = sched.dtype
         actor = FakeActor(sched, rank, dtype) if rank in sched.actor_ranks else None
+        masters = {k: st.data.float() for k, st in actor.items.items()} if actor else {}
         local = sched.rollout_ranks.index(rank) % sched.vpar.world if rank in sched.rollout_ranks else None
-        recv = LayoutReceiver(sched, local, dtype) if local is not None else None
+        recv = {m: LayoutReceiver(scheds[m], local, dtype) for m in METHODS} if local is not None else None
         peak = _Peak()
-        fns = {"ours": functools.partial(sync_weights, verify=False),
-               "ours_verified": functools.partial(sync_weights, verify=True), "baseline": sync_weights_gather_all}
+        fns = _fns()
         res = {m: [] for m in METHODS}
-        after = {}
-        for rep in range(args.repeats):
-            k = rep % len(METHODS)
-            order = METHODS[k:] + METHODS[:k]  # each method first / middle / last in turn
-            for m in order:
-                if recv is not None:
-                    for p in recv.params.values():
-                        p.zero_()
+        same = []
+        for step in range(args.steps):
+            if step and actor is not None:
+                _perturb(actor, masters, step, args.rel)
+            k = step % len(METHODS)
+            for m in METHODS[k:] + METHODS[:k]:  # each method first / middle / last in turn
                 dist.barrier()
                 peak.start()
                 t0 = time.perf_counter()
-                cnt = fns[m](sched, actor, recv, timeout_s=args.timeout)
+                cnt = fns[m](scheds[m], actor, recv[m] if recv else None, timeout_s=args.timeout)
                 dist.barrier()
-                dt = time.perf_counter() - t0
+                cnt["wall"] = time.perf_counter() - t0
                 cnt["rss"] = peak.end()
-                cnt["wall"] = dt
+                cnt.pop("job", None)
                 res[m].append(cnt)
-                if recv is not None and rep == args.repeats - 1:
-                    after[m] = recv.snapshot()
-        same = True
-        if recv is not None:
-            same = all(torch.equal(after[m][k], after["baseline"][k]) for m in ("ours", "ours_verified")
-                       for k in after["ours"])
-            nonzero = all(bool(v.abs().sum() > 0) for v in after["ours"].values())
-            same = same and nonzero
+            if recv is not None:  # every method left exactly what the baseline left, and it is not all zeros
+                ref = recv["baseline"].params
+                same.append(all(torch.equal(recv[m].params[n], ref[n]) for m in METHODS for n in ref)
+                            and all(bool(v.abs().sum() > 0) for v in ref.values()))
         peak.stop = True
-        q.put((rank, res, same, local))
+        q.put((rank, res, all(same), local))
     except BaseException as e:  # noqa: BLE001 - reported by the parent in one line
         q.put((rank, f"{type(e).__name__}: {' '.join(str(e).split())[:400]}", False, None))
     finally:
@@ -177,7 +205,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK['layers']} layers, {QUICK['experts']} experts (default: {FULL['layers']} layers, "
                          f"{FULL['experts']} experts, the real job's counts)")
-    ap.add_argument("--repeats", type=int, default=None, help="runs of each method, alternating (default 3)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps, each synced by every method (default 4; step 1 is the full / learning step)")
+    ap.add_argument("--rel", type=float, default=7e-5,
+                    help="optimizer-like step size relative to each weight (default 7e-5: about 1%% of bf16 "
+                         "elements change per step)")
     ap.add_argument("--ranks-per-node", type=int, default=4,
                     help="ranks per (pretend) node for the source choice and the cross-node figure (default 4)")
     ap.add_argument("--bucket-bytes", type=int, default=64 << 20, help="sync bucket bound per rank (default 64 MiB)")
@@ -186,9 +218,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shape = QUICK if args.quick else FULL
     args.layers, args.experts, args.layer_list = shape["layers"], shape["experts"], shape["layer_list"]
-    args.repeats = args.repeats or shape["repeats"]
-    if args.repeats < 1:
-        ap.error("--repeats must be >= 1")
+    args.steps = args.steps or shape["steps"]
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if not 0 < args.rel < 1:
+        ap.error("--rel must be in (0, 1)")
 
     import torch.multiprocessing as mp
 
@@ -224,48 +258,57 @@ def main(argv=None):
 
     methods = {}
     for m in METHODS:
-        reps = [[outs[r][0][m][i] for r in range(world)] for i in range(args.repeats)]
-        secs = [max(c["wall"] for c in rep) for rep in reps]
-        last = reps[-1]
-        roll = [last[r] for r in sched.rollout_ranks]
+        steps = [[outs[r][0][m][i] for r in range(world)] for i in range(args.steps)]
+        secs = [max(c["wall"] for c in st) for st in steps]
+        last = steps[-1]
+        mx = lambda key: max(c.get(key, 0.0) for c in last)  # noqa: E731
+        sm = lambda key: sum(c.get(key, 0) for c in last)  # noqa: E731
         methods[m] = {
-            "seconds": statistics.median(secs), "seconds_all": secs,
-            "bytes_received_max": max(c["recv_bytes"] for c in roll),
-            "bytes_received_min": min(c["recv_bytes"] for c in roll),
-            "bytes_received_net_max": max(c["recv_net_bytes"] for c in roll),
-            "bytes_received_min_possible": st["recv_min_possible"],
-            "bytes_sent_max": max(c["sent_bytes"] for c in last),
-            "messages_sent": sum(c["messages_sent"] for c in last),
-            "peak_rss_gib": max(c["rss"] for rep in reps for c in rep) / 2 ** 30,
-            "verify_seconds_max": max(c.get("verify_seconds", 0.0) for c in last),
-            "verified_pieces": sum(c.get("verified_pieces", 0) for c in last),
+            "seconds": statistics.median(secs[1:] or secs), "step1_s": secs[0], "seconds_all": secs,
+            "sent_bytes": sm("sent_bytes"), "sent_full_bytes": sm("sent_full_bytes"),
+            "messages_full": sm("messages_full"), "messages_delta": sm("messages_delta"),
+            "messages_rebased": sm("messages_rebased"),
+            "density": sm("changed_elements") / sm("delta_elements") if sm("delta_elements") else None,
+            "direct": all(c.get("direct", False) for c in last if "direct" in c),
+            "fallback_params": sorted({n for c in last for n in c.get("fallback_params", ())}),
+            "encode_seconds": mx("encode_seconds"), "transfer_seconds": mx("transfer_seconds"),
+            "apply_seconds": mx("apply_seconds"), "verify_seconds": mx("verify_seconds"),
+            "verified_pieces": sm("verified_pieces"),
+            "peak_rss_gib": max(c["rss"] for st in steps for c in st) / 2 ** 30,
         }
-    o, b = methods["ours"], methods["baseline"]
+    o = methods["ours"]
+    for v in methods.values():
+        v["bytes_ratio"] = o["sent_bytes"] / v["sent_bytes"] if v["sent_bytes"] else None
     same = all(v[1] for v in outs.values())
-    out = {"methods": methods, "speedup": b["seconds"] / o["seconds"],
-           "speedup_verified": b["seconds"] / methods["ours_verified"]["seconds"],
-           "verified_over_ours": methods["ours_verified"]["seconds"] / o["seconds"],
-           "bytes_ratio": o["bytes_received_max"] / o["bytes_received_min_possible"],
+    out = {"methods": methods, "speedup": methods["baseline"]["seconds"] / o["seconds"],
+           "verify_cost": {m: methods[m + "_verified"]["seconds"] / methods[m]["seconds"] for m in OPTS},
            "identical_results": same, "model_bytes": st["model_bytes"], "ranks": world,
-           "schedule": sched.describe(), "buckets": st["buckets"], "repeats": args.repeats,
+           "schedule": sched.describe(), "buckets": st["buckets"], "steps": args.steps, "rel": args.rel,
            "shape": {"layers": args.layers, "experts": args.experts, **WIDTHS, "heads": sched.cfg.heads,
                      "kv_heads": sched.cfg.kv_heads, "layer_list": args.layer_list},
            "actor": "synthetic megatron ShardedTensors (no GPTModel)", "receiver": "vLLM-layout receiver (no vLLM)",
            "total_seconds": time.perf_counter() - t_start}
     mib = 2 ** 20
-    print(f"{sched.describe()}; {world} gloo processes; model {st['model_bytes'] / mib:.1f} MiB; "
-          f"{args.repeats} alternating repeats")
-    print(f"{'method':14} {'seconds':>9} {'recv max MiB':>13} {'largest shard MiB':>18} {'recv/shard':>10} "
-          f"{'msgs sent':>10} {'peak RSS GiB':>13}")
+    print(f"{sched.describe()}; {world} gloo processes; model {st['model_bytes'] / mib:.1f} MiB; {args.steps} steps "
+          f"(--rel {args.rel:g}), methods in rotated order")
+    print(f"{'method':21} {'seconds':>8} {'step1_s':>8} {'sent MiB':>9} {'bytes_ratio':>11} {'density':>8} "
+          f"{'full/delta':>11} {'enc/xfer/apply/verify s':>24} {'peak RSS GiB':>12}")
     for m, v in methods.items():
-        print(f"{m:14} {v['seconds']:9.2f} {v['bytes_received_max'] / mib:13.2f} "
-              f"{v['bytes_received_min_possible'] / mib:18.2f} "
-              f"{v['bytes_received_max'] / v['bytes_received_min_possible']:10.2f} {v['messages_sent']:10d} "
-              f"{v['peak_rss_gib']:13.2f}")
-    print(f"verification: ours_verified / ours = {out['verified_over_ours']:.3f} "
-          f"({methods['ours_verified']['verified_pieces']} pieces proven on the receivers)")
-    print(f"speedup {out['speedup']:.1f}x, bytes_ratio {out['bytes_ratio']:.3f}, results identical: {same}; "
-          f"{out['total_seconds']:.0f} s in all")
+        dens = f"{v['density']:.4f}" if v["density"] is not None else "-"
+        ratio = f"{v['bytes_ratio']:.1f}x" if v["bytes_ratio"] else "-"
+        parts = "/".join(f"{v[k]:.2f}" for k in ("encode_seconds", "transfer_seconds", "apply_seconds",
+                                                   "verify_seconds"))
+        print(f"{m:21} {v['seconds']:8.3f} {v['step1_s']:8.3f} {v['sent_bytes'] / mib:9.2f} {ratio:>11} {dens:>8} "
+              f"{v['messages_full']:>5}/{v['messages_delta']:<5} {parts:>24} {v['peak_rss_gib']:12.2f}")
+    print("ratios (median seconds, steps 2..N): " + ", ".join(
+        [f"baseline / ours {out['speedup']:.2f}x",
+         f"ours_direct / ours {methods['ours_direct']['seconds'] / o['seconds']:.3f}",
+         f"ours_delta / ours {methods['ours_delta']['seconds'] / o['seconds']:.3f}"]
+        + [f"{m}_verified / {m} {c:.3f}" for m, c in out["verify_cost"].items()]))
+    fb = methods["ours_direct"]["fallback_params"]
+    print(f"direct apply replayed on every receiver: {methods['ours_direct']['direct']}; fallback parameters: "
+          f"{', '.join(fb) if fb else 'none'}")
+    print(f"results bitwise identical to the baseline after every step: {same}; {out['total_seconds']:.0f} s in all")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

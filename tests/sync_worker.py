@@ -183,6 +183,69 @@ def run_checks(rank, world, a):
     dist.destroy_process_group()
 
 
+def run_hardening(rank, world, a):
+    """Issue 24's hardening, on 2 gloo ranks (MoE, actor PP2 -> vLLM TP2): (1) parameters that require grad on
+    both sides (TE grouped experts hand such out): the sync must work (it runs under no_grad), full and direct;
+    (2) the ranks called with different switches (rank 1 delta=True): a one-line refusal on both before any
+    byte; (3) the digest fails on rank 1 (``ckpt_tools.sync_comm.digest`` raises, as a device error would):
+    a SyncError on rank 1 naming it, a SyncError on rank 0 (its peer stopped answering), the posted transfers'
+    buffers kept referenced (``sync_comm.ABANDONED``)."""
+    import torch.distributed as dist
+
+    from ckpt_tools import sync_comm
+    from ckpt_tools.layout import MegatronParallel, VllmParallel
+    from ckpt_tools.model_config import config_from_dict
+    from ckpt_tools.synth import TINY
+    from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
+    from ckpt_tools.testing import FakeActor, LayoutReceiver
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = config_from_dict(dict(TINY, model_type="qwen3_moe"))
+    mpar = MegatronParallel.build(cfg.layers, pp=2, tp=1, layer_list=[2, 4])
+
+    def sched():
+        return SyncSchedule(cfg, mpar, VllmParallel(2, 1, False), "local", bucket_bytes=60000)
+
+    res = {"rank": rank}
+    s = sched()
+    mm = FakeActor(s, rank, torch.bfloat16)
+    for st in mm.items.values():
+        st.data.requires_grad_(True)
+    vm = LayoutReceiver(s, rank)
+    for p in vm.params.values():
+        p.requires_grad_(True)
+    res["grad"] = []
+    for direct in (False, True, True):
+        try:
+            cnt = sync_weights(s, mm, vm, timeout_s=60, direct=direct)
+            res["grad"].append({"verified": cnt["verified_pieces"], "direct": cnt["direct"],
+                                "scratch_bytes": cnt["scratch_bytes"], "bucket_bytes": s.bucket_bytes})
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            res["grad"].append(f"{type(e).__name__}: {e}")
+    try:
+        sync_weights(sched(), mm, LayoutReceiver(s, rank), timeout_s=60, delta=rank == 1)
+        res["mixed"] = None
+    except SyncError as e:
+        res["mixed"] = str(e)
+    dist.barrier()
+    if rank == 1:
+        def broken(t, dtype=None):
+            raise RuntimeError("device error in the digest kernel")
+        sync_comm.digest = broken
+    try:
+        sync_weights(sched(), mm, LayoutReceiver(s, rank), timeout_s=5)
+        res["digest"] = None
+    except SyncError as e:
+        res["digest"] = str(e)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        res["digest"] = f"not a SyncError: {type(e).__name__}: {e}"
+    res["abandoned"] = len(sync_comm.ABANDONED)
+    with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0)  # a peer may still be inside the failed step
+
+
 # ------------------------------------------------------------------------------------- real clients
 def run_real(rank, world, a):
     from ckpt_tools.testing import hf_files
@@ -378,4 +441,5 @@ if __name__ == "__main__":
     from ckpt_tools.testing import spawn_ranks
 
     a = json.loads(sys.argv[1])
-    spawn_ranks({"fake": run_fake, "real": run_real, "checks": run_checks, "steps": run_steps}[a["mode"]], a)
+    spawn_ranks({"fake": run_fake, "real": run_real, "checks": run_checks, "steps": run_steps,
+                 "hardening": run_hardening}[a["mode"]], a)

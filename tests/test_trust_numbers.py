@@ -120,8 +120,9 @@ def test_environment_knobs_are_one_line_naming_the_variable(monkeypatch, name, v
 
 def test_verl_integration_reads_its_knobs_through_the_checker():
     """The sync's environment knobs go through numbers.env (the function tested above), not a float() of its own."""
-    src = open(os.path.join(os.path.dirname(cli.__file__), "integrations", "verl.py")).read()
-    for name in ("CKPT_TOOLS_SYNC_TIMEOUT", "CKPT_TOOLS_SYNC_BUCKET_MB", "LOCAL_WORLD_SIZE"):
+    src = "".join(open(os.path.join(os.path.dirname(cli.__file__), "integrations", f)).read()
+                  for f in ("verl.py", "verl_config.py"))
+    for name in ("CKPT_TOOLS_SYNC_TIMEOUT", "CKPT_TOOLS_SYNC_BUCKET_MB", "LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE"):
         assert f'numbers.env("{name}"' in src, name
     assert "float(os.environ" not in src and "int(os.environ" not in src
 

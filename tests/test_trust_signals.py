@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import HERE, ROOT, free_port
+from conftest import ROOT, free_port
 from test_distributed import _env
 
 QUIET = ["--no-progress"]

@@ -17,6 +17,13 @@ Per rank, all in the same processes (vLLM and the actor are built once):
   3. NaN again; ``CKPT_TOOLS_SYNC=check``, a new manager instance -> ``last_report`` says equal; params equal 1.
   4. negative control: ``check`` on another new manager whose verl-side converter doubles model.norm.weight ->
      must raise ckpt_tools.sync.SyncError naming that parameter.
+  5. with ``delta_steps`` N: ``CKPT_TOOLS_SYNC=ours``, ``CKPT_TOOLS_SYNC_DELTA=on`` on a new manager: its first
+     step (full: learns the direct-apply map), then N steps, each after an optimizer-like move of the actor's
+     weights (fp32 masters, ``m += |m| * rel * randn``, rounded to bf16: ``rel`` ~1e-4 changes ~1% of the
+     elements); after each, verl's own transfer (``CKPT_TOOLS_SYNC=verl``) of the same weights is the reference:
+     every vLLM parameter must be bitwise what it gives (``delta_diff``), and our step's report says how many
+     messages went as deltas, the bytes sent vs full and the density (``delta_reports``), beside the fraction
+     of the actor's elements that changed (``actor_density``).
 Debug-only keys: ``only_verl`` (stop after 1.), ``our_module`` (import another module than ours in 2.).
 Each rank writes rank_{r}.json; an exception is written there with its traceback (then the rank exits, and
 the test reports it).
@@ -98,6 +105,28 @@ def _fill_actor(actor):
                 g = torch.Generator().manual_seed(zlib.crc32(f"{n}@{tag}".encode()))
                 v = torch.randn(p.shape, generator=g)
                 p.copy_((1.0 + 0.1 * v) if p.dim() == 1 else 0.05 * v)  # in place: DDP's buffers keep the views
+
+
+def _perturb(actor, masters, step, rel):
+    """One optimizer-like step (see 5. above); returns (changed, total) elements of this rank's actor."""
+    import zlib
+
+    import torch
+    from verl.utils.megatron_utils import unwrap_model
+
+    changed = total = 0
+    with torch.no_grad():
+        for i, m in enumerate(unwrap_model(actor)):
+            for n, p in m.named_parameters():
+                key = f"{i}/{n}"
+                master = masters.setdefault(key, p.detach().float().clone())
+                g = torch.Generator().manual_seed(zlib.crc32(f"{key}#{step}".encode()))
+                master.add_(master.abs() * rel * torch.randn(master.shape, generator=g))
+                new = master.to(p.dtype)
+                changed += int((new != p).sum())
+                total += p.numel()
+                p.copy_(new)  # in place: DDP's buffers keep the views
+    return changed, total
 
 
 def run(rank, world, a):
@@ -282,6 +311,26 @@ def _run(rank, world, a, res, mark):
         res["skewed_error"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
     res["skewed_report"] = _jsonable(getattr(mod, "last_report", None))
     mark("skewed")
+
+    # ---- 5. delta: our transfer with CKPT_TOOLS_SYNC_DELTA=on over several steps, verl's own as the reference
+    if not a.get("delta_steps"):
+        return
+    mgr4, masters = manager(), {}
+    res["delta_diff"], res["delta_reports"], res["actor_density"] = [], [], []
+    for step in range(a["delta_steps"] + 1):
+        if step:
+            changed, total = _perturb(actor, masters, step, a.get("rel", 1e-4))
+            res["actor_density"].append(changed / total)
+        os.environ.update(CKPT_TOOLS_SYNC="ours", CKPT_TOOLS_SYNC_DELTA="on")
+        with mgr4:
+            got = _snapshot(vm)
+        res["delta_reports"].append(_jsonable(getattr(mod, "last_report", None)))
+        os.environ["CKPT_TOOLS_SYNC"] = "verl"  # verl's transfer of the same weights: what a full sync gives
+        with mgr:
+            want = _snapshot(vm)
+        res["delta_diff"].append(_bitwise_diff(want, got))
+    os.environ.pop("CKPT_TOOLS_SYNC_DELTA")
+    mark("delta")
 
 
 def _jsonable(d):

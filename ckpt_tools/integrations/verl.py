@@ -37,25 +37,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
 from .. import numbers
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
 from ..sync_comm import _comm, _exchange_summaries
+from .verl_config import MODES, VERIFY_MODES, _env, devices_per_node, rollout_parallel
 
 logger = logging.getLogger("ckpt_tools.verl")
-MODES = ("ours", "verl", "check")
-VERIFY_MODES = ("every", "first", "off")
 last_report: dict = {}  # the last step's counters on this rank (mode, check results, sync counters)
-
-
-def _env(name: str, default: str, choices=None) -> str:
-    v = os.environ.get(name, default).strip().lower()
-    if choices and v not in choices:
-        raise SyncError(f"{name}={v!r} is not one of {', '.join(choices)}")
-    return v
 
 
 class _State:
@@ -70,7 +61,7 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from ..layout import MegatronParallel, VllmParallel
+    from ..layout import MegatronParallel
     from ..model_config import config_from_dict
 
     hf = manager.model_config
@@ -91,13 +82,7 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     world = dist.get_world_size()
     if world % mpar.world:
         raise SyncError(f"weight sync: world size {world} is not a multiple of the actor's {mpar.describe()}")
-    rc = manager.rollout_config
-    htp = rc.get("hybrid_tp", None) if hasattr(rc, "get") else None
-    if htp and (htp.get("enabled") if hasattr(htp, "get") else htp):  # MindSpeed-RL / vllm-ascend: other TP per layer
-        raise SyncError("weight sync refused: rollout hybrid_tp.enabled changes vllm-ascend's per-layer tensor "
-                        "parallel layout, which ckpt_tools' sync does not plan (set CKPT_TOOLS_SYNC=verl)")
-    vpar = VllmParallel(int(rc.get("tensor_model_parallel_size", 1)), int(rc.get("dp_model_parallel_size", 1) or 1),
-                        bool(rc.get("enable_expert_parallel", False)))
+    vpar = rollout_parallel(manager.rollout_config)
     if world % vpar.world:
         raise SyncError(f"weight sync: world size {world} is not a multiple of the rollout's {vpar.describe()}")
     # what only some ranks see: the layer spec (TE names pre_mlp_layernorm; the local spec folds it into fc1)
@@ -120,9 +105,7 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     rows_n = rows.pop() if rows else cfg.vocab
     dtype = next(vllm_model.parameters()).dtype
     bucket_mb = numbers.env("CKPT_TOOLS_SYNC_BUCKET_MB", 256, numbers.POSITIVE, SyncError)
-    # devices per node: verl's Ray workers set only RAY_LOCAL_WORLD_SIZE (verl/single_controller/ray/base.py)
-    per_node = (numbers.env("LOCAL_WORLD_SIZE", 8, numbers.COUNT, SyncError) if "LOCAL_WORLD_SIZE" in os.environ
-                else numbers.env("RAY_LOCAL_WORLD_SIZE", 8, numbers.COUNT, SyncError))
+    per_node = devices_per_node()
     return SyncSchedule(cfg, mpar, vpar, specs.pop(), rollout_replicas=world // vpar.world,
                         ranks_per_node=per_node, dtype=dtype,
                         bucket_bytes=int(bucket_mb * 2 ** 20),

@@ -18,7 +18,8 @@ from ..layout import box_numel, box_shape, box_shift, box_slices, full_box
 from ..sync_comm import SyncError, _comm, _one_line, _wait
 from ..sync_cost import INTER_GBPS, INTRA_GBPS, LATENCY_US
 from ..sync_schedule import ChunkIndex, SyncSchedule
-from ..sync_transport import _device_of, _preflight
+from ..sync_comm import _device_of
+from ..sync_transport import _preflight
 
 
 def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
