@@ -78,7 +78,7 @@ def _wait_data(work, deadline: float, timeout_s: float, gloo: bool):
 ABANDONED: list = []
 
 
-def _rank_of(group) -> int:
+def _rank_of() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
@@ -97,7 +97,7 @@ def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
     try:
         return digest(t, dtype)
     except Exception as e:  # noqa: BLE001
-        raise SyncError(f"weight sync failed on rank {_rank_of(None)}: the digest of a {tuple(t.shape)} {t.dtype} "
+        raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of a {tuple(t.shape)} {t.dtype} "
                         f"tensor on {t.device} failed ({type(e).__name__}: {_one_line(e)})") from None
 
 

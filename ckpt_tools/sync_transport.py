@@ -193,15 +193,12 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
         except SyncError:
             raise
         except Exception as e:  # noqa: BLE001 - a digest, an allocation, a device error: one line like every other
-            raise SyncError(f"weight sync failed on rank {_rank_of(group)}: {type(e).__name__}: {_one_line(e)}; "
+            raise SyncError(f"weight sync failed on rank {_rank_of()}: {type(e).__name__}: {_one_line(e)}; "
                             f"vLLM weights may be partially updated") from None
         finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults)
             scratch = getattr(schedule, "__dict__", {}).get("_scratch", {})
             for dev in [d for d in scratch if d != "cpu"]:
                 del scratch[dev]
-
-
-
 
 
 _COUNTERS = ("recv_bytes", "recv_net_bytes", "sent_bytes", "sent_full_bytes", "local_bytes", "messages_sent",

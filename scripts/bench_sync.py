@@ -111,11 +111,11 @@ def _perturb(actor, masters, step, rel):
 
     import torch
 
+    from ckpt_tools.testing import optimizer_step
+
     for key, st in actor.items.items():
         gen = torch.Generator().manual_seed(zlib.crc32(f"{key}#{step}".encode()))
-        m = masters[key]
-        m.add_(m.abs() * rel * torch.randn(m.shape, generator=gen))
-        st.data.copy_(m.to(st.data.dtype))
+        st.data.copy_(optimizer_step(masters[key], gen, rel, st.data.dtype))
 
 
 def _fns():

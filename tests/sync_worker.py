@@ -342,11 +342,9 @@ def run_real(rank, world, a):
 def _perturb(master, gen, rel):
     """One optimizer-like step: fp32 masters move by a small relative amount (Adam-like: the step size is about
     ``rel`` of each weight, random sign), the bf16 weights are their rounding: only some elements change."""
-    out = {}
-    for n, m in master.items():
-        m.add_(m.abs() * rel * torch.randn(m.shape, generator=gen))
-        out[n] = m.to(torch.bfloat16)
-    return out
+    from ckpt_tools.testing import optimizer_step
+
+    return {n: optimizer_step(m, gen, rel) for n, m in master.items()}
 
 
 def run_steps(rank, world, a):

@@ -114,6 +114,8 @@ def _perturb(actor, masters, step, rel):
     import torch
     from verl.utils.megatron_utils import unwrap_model
 
+    from ckpt_tools.testing import optimizer_step
+
     changed = total = 0
     with torch.no_grad():
         for i, m in enumerate(unwrap_model(actor)):
@@ -121,8 +123,7 @@ def _perturb(actor, masters, step, rel):
                 key = f"{i}/{n}"
                 master = masters.setdefault(key, p.detach().float().clone())
                 g = torch.Generator().manual_seed(zlib.crc32(f"{key}#{step}".encode()))
-                master.add_(master.abs() * rel * torch.randn(master.shape, generator=g))
-                new = master.to(p.dtype)
+                new = optimizer_step(master, g, rel, p.dtype)
                 changed += int((new != p).sum())
                 total += p.numel()
                 p.copy_(new)  # in place: DDP's buffers keep the views

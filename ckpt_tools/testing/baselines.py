@@ -15,10 +15,9 @@ from collections import defaultdict
 import torch
 
 from ..layout import box_numel, box_shape, box_shift, box_slices, full_box
-from ..sync_comm import SyncError, _comm, _one_line, _wait
+from ..sync_comm import SyncError, _comm, _device_of, _one_line, _wait
 from ..sync_cost import INTER_GBPS, INTRA_GBPS, LATENCY_US
 from ..sync_schedule import ChunkIndex, SyncSchedule
-from ..sync_comm import _device_of
 from ..sync_transport import _preflight
 
 
