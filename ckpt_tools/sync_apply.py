@@ -195,6 +195,8 @@ class Sink(NamedTuple):
     views: tuple
     hf: str | None = None
     box: tuple | None = None
+    base: torch.Tensor | None = None  # the flat parameter the one contiguous view is a slice of ...
+    off: int = 0                      # ... starting at this element (what a delta patch indexes)
 
 
 def message_sinks(pieces, regions, fallback_hf, live) -> list:
@@ -232,7 +234,7 @@ def message_sinks(pieces, regions, fallback_hf, live) -> list:
 
 def _run(cur) -> Sink:
     _, flat, a, b = cur
-    return Sink(b - a, (flat[a:b],))
+    return Sink(b - a, (flat[a:b],), base=flat, off=a)
 
 
 def apply_dense(sinks, buf: torch.Tensor, full: dict) -> None:

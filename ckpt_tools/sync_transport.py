@@ -133,6 +133,7 @@ class SyncState:
         self.fallback: dict = {}     # this rank's parameters that go through load_weights -> why
         self.fallback_hf = frozenset()
         self.sinks: dict = {}        # (bucket, sender) -> [Sink] of the current map
+        self.patch_plans: dict = {}  # (bucket, sender) -> sync_delta.PatchPlan of those sinks (made on first use)
         self.shadow: dict = {}       # (bucket, receiver) -> what was last sent (host or device)
         self.shadow_digest: dict = {}
         self.steps = 0
@@ -286,7 +287,7 @@ class _Step:
             self.replay = True
             self.cnt["direct"] = True
             return
-        st.map_sig, st.sinks, st.fallback, st.fallback_hf = None, {}, {}, frozenset()
+        st.map_sig, st.sinks, st.fallback, st.fallback_hf, st.patch_plans = None, {}, {}, frozenset(), {}
         self.recorder = sync_apply.LoaderRecorder({n: self.live.get(n) for n in names if self.live.get(n) is not None})
 
     def _learned(self):
@@ -378,11 +379,11 @@ class _Step:
             mode, k = DENSE, n
             old = st.shadow.get((b, dst))
             if old is not None and st.shadow_digest.get((b, dst)) == base:
-                mask = sync_delta.changed_mask(new, old.to(new.device, non_blocking=True))
-                k = int(mask.sum())
+                idx = sync_delta.changed(new, old.to(new.device, non_blocking=True))
+                k = idx.numel()
                 mode = sync_delta.choose(n, k, e)
                 if mode != DENSE:
-                    payloads[dst] = sync_delta.encode(new, mask, k, mode)
+                    payloads[dst] = sync_delta.encode(new, idx, mode)
                 cnt["changed_elements"] += k
                 cnt["delta_elements"] += n
                 cnt["messages_delta" if mode != DENSE else "messages_full"] += 1
@@ -464,7 +465,10 @@ class _Step:
                 sync_apply.apply_dense(st.sinks[(b, src)], buf, full)
             else:
                 idx, vals = sync_delta.decode(buf, mode, n, k, dtype)
-                sync_delta.patch(st.sinks[(b, src)], idx, vals)
+                plan = st.patch_plans.get((b, src))
+                if plan is None:
+                    plan = st.patch_plans[(b, src)] = sync_delta.PatchPlan(st.sinks[(b, src)], self.rdev)
+                sync_delta.patch(plan, idx, vals)
             cnt["messages_received"] += 1
             cnt["recv_net_bytes"] += n * s.elem
         del rbufs, ops, works, payloads, news
