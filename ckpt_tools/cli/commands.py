@@ -1,16 +1,27 @@
-"""What each ``ckpt-tools`` command does with its parsed arguments, and what it prints (the parser: cli.py).
+"""What each ``ckpt-tools`` command does with its parsed arguments, and what it prints (the parser: cli/parser.py).
 
 :data:`COMMANDS` maps a command to its function; each returns the exit code (errors raise, and
-``cli.main`` maps them through :func:`ckpt_tools.errors.exit_code`). Under torchrun only rank 0 prints."""
+``cli.entry.main`` maps them through :func:`ckpt_tools.core.errors.exit_code`). Under torchrun only rank 0 prints."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 
-from . import convert, distributed
-from .model_config import load_config
-from .plan import fmt_bytes
+import torch
+
+from .. import convert
+from ..convert.directions import DTYPES, megatron_parallel
+from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_vllm, predict, predict_distributed
+from ..core.files import read_json
+from ..dist import ranks as distributed
+from ..formats.torch_dist import SIDE_CAR
+from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
+from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
+from ..layout.model_config import load_config
+from ..sync import SyncSchedule
+from ..sync.cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync
+from ..verify import check_one, inspect_checks, print_one, print_report, verify
 
 
 def _prog(args) -> bool:
@@ -36,8 +47,6 @@ def find_hf_config(mcore: str, cmd: str) -> str:
     * our own torch_dist outputs record their source in ``ckpt_tools.json``: the HF directory hf2mcore read, or
       for ``reshard --to mcore`` the Megatron checkpoint it read, whose config is looked for the same way.
     A wrong model is still caught: every tensor's shape is checked against the config when the view opens."""
-    from .fsutil import SIDE_CAR, read_json
-
     tried, d = [], os.path.abspath(mcore)
     for _ in range(8):
         beside = os.path.join(os.path.dirname(d), "huggingface")
@@ -66,12 +75,6 @@ def find_hf_config(mcore: str, cmd: str) -> str:
 
 
 def _plan_sync(args, cfg, par, vp, p):
-    import torch
-
-    from .layout import LayoutError
-    from .sync import SyncSchedule
-    from .sync_cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync
-
     reps = args.rollout_replicas
     if reps is None:
         reps = max(1, par.world // vp.world)
@@ -118,7 +121,7 @@ def _plan_sync(args, cfg, par, vp, p):
 
 
 def _print_delta(s, o, d):
-    """The delta section of ``plan --sync --density D`` (sync_cost.delta_figures), next to the full sync."""
+    """The delta section of ``plan --sync --density D`` (sync.cost.delta_figures), next to the full sync."""
     mm = lambda xs: f"{fmt_bytes(min(xs))} .. {fmt_bytes(max(xs))}"  # noqa: E731
     enc = d["encodings"]
     print(f"delta sync at density {d['density']:g} (that fraction of every message's elements changed since the last "
@@ -206,9 +209,6 @@ def cmd_reshard_vllm(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .verify import print_report, verify
-    from .views import HFView, McoreView, VllmView
-
     given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2") if getattr(args, k)]
     if len(given) not in (1, 2):
         print("ckpt-tools verify: error: give two of --hf, --mcore, --vllm, --hf2 (compare), or one (check it "
@@ -233,9 +233,6 @@ def cmd_verify(args) -> int:
         return VllmView(p, cfg)
 
     if len(given) == 1:  # the checkpoint alone: any problem found in it is exit 1
-        from .verify import check_one, print_one
-        from .views import ERRORS
-
         (k, p), = given
         if not os.path.isdir(p):
             print(f"ckpt-tools verify: error: --{k} {p}: not a directory", file=sys.stderr)
@@ -262,9 +259,6 @@ def cmd_verify(args) -> int:
 
 
 def _plan_distributed(args, p):
-    from .layout import LayoutError
-    from .plan import predict, predict_distributed
-
     for flag, v in (("--nodes", args.nodes), ("--procs-per-node", args.procs_per_node), ("--node-gbps", args.node_gbps),
                     ("--fs-gbps", args.fs_gbps), ("--proc-gbps", args.proc_gbps)):
         if v <= 0:
@@ -279,10 +273,6 @@ def _plan_distributed(args, p):
 
 
 def cmd_plan(args) -> int:
-    from .convert import DTYPES, megatron_parallel
-    from .layout import PLAN_FLAGS, LayoutError, vllm_parallel
-    from .plan import STARTUP_SECONDS, plan_megatron, plan_vllm
-
     if args.density is not None and not args.sync:
         raise LayoutError("--density needs --sync (it prices the weight sync as a delta)")
     cfg = load_config(args.config)
@@ -323,8 +313,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .views import open_view
-
     hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
     cfg = load_config(hf_config) if hf_config else None
     v = open_view(args.path, cfg)
@@ -335,9 +323,6 @@ def cmd_inspect(args) -> int:
         info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))
         info["loaders"] = v.loaders()
-    from .verify import inspect_checks
-    from .views import format_loaders
-
     chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
     info["manifest"] = chk["manifest"]
     info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"

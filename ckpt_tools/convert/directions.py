@@ -1,8 +1,8 @@
 """The conversion directions, each a (source view, destination) pair run by the one driver
-(:func:`ckpt_tools.driver.convert`): hf2mcore and ``reshard --to mcore`` (mcore2mcore) write a torch_dist
-checkpoint (:class:`~ckpt_tools.torch_dist.TorchDistDestination`), mcore2hf HF safetensors
-(:class:`~ckpt_tools.hf.HFDestination`), ``reshard --to vllm`` per-rank vLLM shards
-(:class:`~ckpt_tools.vllm_format.VllmDestination`)."""
+(:func:`ckpt_tools.convert.driver.convert`): hf2mcore and ``reshard --to mcore`` (mcore2mcore) write a torch_dist
+checkpoint (:class:`~ckpt_tools.formats.torch_dist.TorchDistDestination`), mcore2hf HF safetensors
+(:class:`~ckpt_tools.formats.hf.HFDestination`), ``reshard --to vllm`` per-rank vLLM shards
+(:class:`~ckpt_tools.formats.vllm_format.VllmDestination`)."""
 from __future__ import annotations
 
 import functools
@@ -10,13 +10,26 @@ import os
 
 import torch
 
+from converters import vllm_names
+
+from ..copy.plan import Op
+from ..formats.hf import HFDestination
+from ..formats.torch_dist import DistCkptError, TorchDistDestination
+from ..formats.views import FormatError, HFView, McoreView, open_view, widest
+from ..formats.vllm_format import VllmDestination
+from ..layout import (
+    LayoutError,
+    MegatronLayout,
+    MegatronParallel,
+    VllmLayout,
+    box_numel,
+    full_box,
+    numel,
+    vllm_parallel,
+)
+from ..layout.model_config import load_config
+from ..output.guard import check_out
 from .driver import Job, Options, convert
-from .hf import HFDestination
-from .layout import LayoutError, MegatronLayout, MegatronParallel, VllmLayout, box_numel, numel, vllm_parallel
-from .model_config import load_config
-from .torch_dist import TorchDistDestination
-from .views import FormatError, HFView, McoreView, open_view, widest
-from .vllm_format import VllmDestination
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -75,8 +88,6 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
 
 def _guard(out, kind, inputs, opts):
     """``--out`` refused before the config is even read (the driver checks it again before any work)."""
-    from .fsutil import check_out
-
     check_out(out, kind, opts.overwrite, inputs, FormatError)
 
 
@@ -132,9 +143,6 @@ def _dropped(view) -> list:
 def _hf_ops(view, name, rec) -> list:
     """The copy ops filling the HF-named record ``rec`` from ``view``'s sources; checks that the stored chunks
     cover the tensor."""
-    from .copyplan import Op
-    from .layout import full_box
-
     ops, covered = [], 0
     for srec, sbox, hsub in view.sources(name, full_box(rec.shape)):
         ops.append(Op(srec, sbox, rec, hsub))
@@ -190,8 +198,6 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
     _guard(out, "vllm", inputs, opts)
-    from converters import vllm_names
-
     try:
         version, names = vllm_names.table(vllm_version)
     except vllm_names.UnknownVersion as e:
@@ -210,3 +216,14 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
 
     return convert(Job(out, "vllm", "reshard", inputs, src, lambda: open_source(src, hf_config, prefix),
                        destination), opts, FormatError)[2]
+
+
+def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
+                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
+                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
+                     label: str = "hf2mcore") -> dict:
+    """Write ``layout`` filled from the view ``source`` to ``out_dir`` (:class:`TorchDistDestination` through
+    the conversion driver, without a source integrity gate: the caller opened ``source``)."""
+    job = Job(out_dir, "mcore", label, inputs or {}, None, lambda: source,
+              lambda view: TorchDistDestination(layout, view, dtype))
+    return convert(job, Options(workers, max_memory, progress, overwrite, direct_io, io_threads), DistCkptError)[2]

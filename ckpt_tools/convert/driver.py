@@ -2,9 +2,10 @@
 
 Every direction (``hf2mcore``, ``mcore2hf``, ``reshard --to mcore``, ``reshard --to vllm``) is a
 :class:`Job`: which ``--out`` (its kind and the inputs it must not overwrite), how to open the source
-(a view, :mod:`ckpt_tools.views`) and which :class:`Destination` to lay out from it. :func:`convert` does, once:
+(a view, :mod:`ckpt_tools.formats.views`) and which :class:`~ckpt_tools.copy.destination.Destination` to lay out
+from it. :func:`convert` does, once:
 
-1. guard ``--out`` (:func:`~ckpt_tools.fsutil.check_out`, before any work);
+1. guard ``--out`` (:func:`~ckpt_tools.output.guard.check_out`, before any work);
 2. open the source through its integrity gate (:func:`~ckpt_tools.verify.checked_source`: structure checks,
    its manifest's sizes and headers now, its data as the engine reads it);
 3. lay out the destination (every file at its final name and size, every record at its offset);
@@ -12,7 +13,7 @@ Every direction (``hf2mcore``, ``mcore2hf``, ``reshard --to mcore``, ``reshard -
    side files), write the manifest, publish atomically - or discard everything on any failure.
 
 Under ``torchrun`` (or any launcher that sets the torch.distributed environment) the same steps run on every
-rank (:mod:`ckpt_tools.distributed`): rank 0 stages, creates the files, finishes and publishes; the records are
+rank (:mod:`ckpt_tools.dist`): rank 0 stages, creates the files, finishes and publishes; the records are
 divided among the ranks by bytes (whole files first) and each rank copies its share with the same engine.
 """
 from __future__ import annotations
@@ -21,73 +22,19 @@ import os
 import time
 from typing import Callable, NamedTuple
 
-from .errors import InputError, PeerFailed
-from .fsutil import check_out, discard, hold_point, publish, staging, write_file
-from .integrity import unwritten, write_manifest
-from .progress import Progress
-
-# --divide: how the records are divided among the ranks (distributed.divide / divide_in_order). It is a flag, so
-# it is part of the command line every rank compares (distributed.join), and agreed again for library callers.
-DIVIDE = ("files", "source")
-
-
-class Destination:
-    """An output format's file layout and its finishing touches.
-
-    A subclass fills, in ``__init__`` (from the source view and the target layout; nothing is written):
-    ``files`` {relative path: size} - every file the copy writes into, at its final name and size - ``blobs``
-    {relative path: [(offset, bytes)]} written when the files are created (headers, constant buffers), and
-    ``total`` (bytes the copy writes). :meth:`items` yields the copy's destination records in processing order,
-    each with a function that returns its copy ops (worked out when the copy reaches it); :meth:`finish` writes
-    what depends on nothing the copy does (``.metadata``, index, configs, side files); :meth:`summary` is the
-    command's report."""
-
-    kind = ""  # check_out's kind: "mcore" | "hf" | "vllm"
-    manifest_skip: tuple = ()  # files of the output the manifest does not list
-
-    files: dict
-    blobs: dict
-    total: int
-    durable: tuple = ()  # finals fsynced when written (the others are small side files)
-
-    def items(self, root: str):
-        raise NotImplementedError
-
-    def prepare(self) -> dict:
-        """Everything :meth:`finish` writes, built now, before anything is staged: {relative path: bytes}.
-        Building it here is what validates it - a torch whose classes lack a field, a side file that cannot be
-        read, a config that is not JSON - so that such a problem is one line with nothing written, never an
-        error after the whole copy (issue 27)."""
-        return {}
-
-    def create(self, root: str, only=None):
-        """Every file (or those in ``only``) at its final size (reads as zeros), with its blobs."""
-        for rel, size in self.files.items():
-            if only is not None and rel not in only:
-                continue
-            path = os.path.join(root, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.truncate(size)
-                for off, data in self.blobs.get(rel, ()):
-                    f.seek(off)
-                    f.write(data)
-
-    def finish(self, root: str, finals: dict):
-        """Write the prepared files (:meth:`prepare`) into the staged output, after the copy."""
-        for rel, data in finals.items():
-            path = os.path.join(root, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_file(path, data, sync=rel in self.durable)
-
-    def summary(self) -> dict:
-        return {}
-
-    def placed(self) -> dict | None:
-        """{HF tensor name: elements of it the output holds} (replicas counted; padding not), from the layout
-        the copy follows, before anything is staged; None: not known (the driver then checks only that the
-        output holds data)."""
-        return None
+from ..copy import engine
+from ..copy.destination import Destination
+from ..core.errors import InputError, PeerFailed
+from ..core.hold import hold_point
+from ..core.progress import Progress
+from ..dist import ranks
+from ..dist.divide import DIVIDE, divide, divide_in_order
+from ..dist.ranks import fingerprint
+from ..integrity import unwritten, write_manifest
+from ..layout import numel
+from ..output.guard import check_out
+from ..output.stage import discard, publish, staging
+from ..verify import checked_source
 
 
 class Options(NamedTuple):
@@ -116,18 +63,13 @@ class Job(NamedTuple):
 
 
 def convert(job: Job, opts: Options, error=ValueError) -> tuple[object, Destination, dict]:
-    """Run ``job`` - on one process, or on every rank of a torchrun job (:mod:`ckpt_tools.distributed`);
+    """Run ``job`` - on one process, or on every rank of a torchrun job (:mod:`ckpt_tools.dist.ranks`);
     returns (source view, destination, summary). ``error``: the exception class for a refused ``--out`` and
     a failed copy (exit 2)."""
-    from . import distributed
-
-    return distributed.on_ranks(lambda g: _convert(g or distributed.Solo(), job, opts, error), opts.dist_timeout)
+    return ranks.on_ranks(lambda g: _convert(g or ranks.Solo(), job, opts, error), opts.dist_timeout)
 
 
 def _convert(g, job: Job, opts: Options, error):
-    from .distributed import divide, divide_in_order, fingerprint
-    from .verify import checked_source
-
     if opts.divide not in DIVIDE:
         raise InputError(f"--divide must be one of {', '.join(DIVIDE)} (got {opts.divide!r})")
     check_out(job.out, job.kind, opts.overwrite, job.inputs, error)  # before any work
@@ -184,8 +126,6 @@ def _check_complete(job: Job, view, dest: Destination, error):
     source tensor than the tensor has: whatever the flags, every direction writes every element of every
     source tensor at least once (vocab padding and vLLM replicas only add). A gap would be zero-filled by
     the engine (it pads records no source covers, as for vocab padding rows) and published."""
-    from .layout import numel
-
     out = f"--out {job.out}"
     if not dest.files or dest.total <= 0:
         raise error(f"{out}: the output would hold no tensor data ({len(dest.files)} files, {dest.total} bytes "
@@ -218,10 +158,9 @@ def _check_written(root: str, items: list, owner: list, parts: list, world: int)
 
 def copy(items, opts: Options, bar, hashes: list, check, error) -> dict:
     """The engine over ``items`` ((record, ops function) pairs), each record's ops worked out as it is reached."""
-    from .engine import EngineError, run_copy
-
     try:
-        return run_copy(((rec, ops()) for rec, ops in items), workers=opts.workers, max_memory=opts.max_memory,
-                        progress=bar, direct=opts.direct_io, io_threads=opts.io_threads, hashes=hashes, check=check)
-    except EngineError as e:
+        return engine.run_copy(((rec, ops()) for rec, ops in items), workers=opts.workers,
+                               max_memory=opts.max_memory, progress=bar, direct=opts.direct_io,
+                               io_threads=opts.io_threads, hashes=hashes, check=check)
+    except engine.EngineError as e:
         raise error(str(e)) from None

@@ -1,11 +1,10 @@
 """Dry-run planning of a conversion from a config alone: layers per stage, params/bytes per rank and per file, time
-estimate. The weight sync's cost model (``plan --sync``) is ckpt_tools.sync_cost."""
+estimate. The weight sync's cost model (``plan --sync``) is ckpt_tools.sync.cost."""
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .layout import box_numel, numel
-from .layout import MegatronLayout, VllmLayout
+from ..layout import MegatronLayout, VllmLayout, box_numel, numel
 
 
 def plan_megatron(cfg, par, spec="te", dtype_bytes=2, disk_gbps=None, vocab_size_divisible_by=None) -> dict:
@@ -52,7 +51,7 @@ def predict(nbytes: int, disk_gbps: float) -> dict:
 def predict_distributed(nbytes: int, nodes: int, procs_per_node: int, node_gbps: float, fs_gbps: float,
                         proc_gbps: float) -> dict:
     """A conversion (or a two-sided verify: read only, 2 x ``nbytes``) under torchrun on ``nodes`` x
-    ``procs_per_node`` ranks (ckpt_tools.distributed): every byte still goes once through the shared file
+    ``procs_per_node`` ranks (ckpt_tools.dist): every byte still goes once through the shared file
     system (``fs_gbps``: its aggregate read+write throughput), each node moves its share in and out through its
     own link (``node_gbps``, each direction: a full-duplex NIC) and each process copies at most ``proc_gbps``
     (read+write; scripts/bench.py measures one process's rate). The slowest of the three bounds the time, plus

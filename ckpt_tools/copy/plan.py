@@ -1,8 +1,8 @@
-"""What the copy engine (:mod:`ckpt_tools.engine`) executes, planned without touching a file: destination and
+"""What the copy engine (:mod:`ckpt_tools.copy.engine`) executes, planned without touching a file: destination and
 source *records* (:class:`Rec`: a dense row-major tensor stored raw at a byte offset of a file), copy *ops*
 (:class:`Op`: a box of a source record into a box of a destination record, of equal extent), and their
 grouping into row *blocks* (bounded by the arena size) and *units* (blocks that stage the same source span,
-so it is read once). The destinations (:mod:`ckpt_tools.driver`) yield (record, ops); :func:`plan_units` turns
+so it is read once). The destinations (:class:`~ckpt_tools.copy.destination.Destination`) yield (record, ops); :func:`plan_units` turns
 them into units lazily, as the engine consumes them."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Box, box_intersect, box_numel, full_box
+from ..layout import Box, box_intersect, box_numel, full_box
 
 
 class EngineError(ValueError):

@@ -7,13 +7,15 @@
 * every "bad input or usage" error class derives from :class:`InputError` (exit 2, one line);
 * ``OSError`` (ENOSPC, EROFS, EACCES, EIO, ENAMETOOLONG while writing, another run holding ``--out``) is the
   environment (exit 3); torch's C++ writers are not used for files (their failures surface as a
-  ``RuntimeError`` without an errno), see ``fsutil.write_file``;
+  ``RuntimeError`` without an errno), see ``core.files.write_file``;
 * SIGINT / SIGTERM / SIGHUP: 128 + the signal number.
 """
 from __future__ import annotations
 
 import errno
 import signal
+
+from .show import show
 
 OK, DIFFERENT, BAD_INPUT, ENVIRONMENT, PEER = 0, 1, 2, 3, 4
 
@@ -82,8 +84,6 @@ def exit_code(exc: BaseException) -> int | None:
 
 def describe_oserror(e: OSError, where: str) -> str:
     """``PATH: No space left on device (ENOSPC)``: the path the error names, else ``where``."""
-    from .fsutil import show
-
     name = errno.errorcode.get(e.errno, "") if e.errno else ""
     path = show(e.filename) if e.filename else where
     return f"{path}: {e.strerror or e}" + (f" ({name})" if name else "")

@@ -9,14 +9,14 @@ through the shared file system; the coordination is small messages over the job'
   with other arguments than rank 0 is refused on every rank before anything is read or written;
 * :meth:`Group.lead`: rank 0 runs a step (staging ``--out``, creating the files, finishing and publishing) and
   the others get its result (or its failure);
-* :func:`divide`: records (or tensors, or manifest ranges) divided among the ranks by bytes, balanced, whole
-  files first (a file larger than a rank's fair share is cut at record boundaries): no two ranks write one
+* :func:`~ckpt_tools.dist.divide.divide`: records (or tensors, or manifest ranges) divided among the ranks by bytes,
+  balanced, whole files first (a file larger than a rank's fair share is cut at record boundaries): no two ranks write one
   record, and the engine never writes outside its records' bytes (O_DIRECT only inside a run's aligned
   interior), so ranks sharing a file never touch each other's bytes;
 * a watcher thread per rank: a heartbeat in the store every ``BEAT`` seconds; a rank whose process is gone
   (same host: /proc) or whose heartbeat stopped for ``timeout`` seconds, or that raised an error, is named in
   the job's one failure record; every other rank's main thread is interrupted (SIGUSR1) with
-  :class:`~ckpt_tools.errors.PeerFailed` (exit 4) naming it, rank 0 removes the staging directory, nothing is
+  :class:`~ckpt_tools.core.errors.PeerFailed` (exit 4) naming it, rank 0 removes the staging directory, nothing is
   published. A rank killed with rank 0 leaves the staging directory to the next run (its owner record names a
   dead process), as for one process.
 """
@@ -32,9 +32,13 @@ import sys
 import threading
 import time
 
-from . import numbers
-from .errors import InputError, PeerFailed
-from .fsutil import boot_id as _boot_id
+from ..core import numbers
+from ..core.errors import InputError, PeerFailed
+from ..core.host import boot_id as _boot_id
+
+# torch.distributed is imported inside the three functions that use it (a documented start-up cost): the command
+# line imports this module before torch (cli.main._quiet_c10d sets TORCH_CPP_LOG_LEVEL for torch's import only, and
+# --help or a usage error answers without importing torch: ~1.3 s here).
 
 BEAT = 0.5  # seconds between heartbeats
 BYE = "bye"  # a rank's heartbeat value once it is done
@@ -56,53 +60,6 @@ def world() -> tuple[int, int]:
     if n > 1 and not 0 <= r < n:
         raise InputError(f"RANK {r} is outside WORLD_SIZE {n}")
     return (r, n) if n > 1 else (0, 1)
-
-
-def divide_in_order(sizes: list, nranks: int) -> list[int]:
-    """The rank of each item, ``sizes`` being (file, bytes) in processing order: contiguous runs of about
-    total / ranks bytes, rank 0 first. The processing order is the source's order, so each rank reads its own
-    region of the source once (a column slice under tensor parallelism stages its source rows: split by
-    destination file, every TP rank's file would read them again), and writes its records wherever they are."""
-    total = sum(n for _, n in sizes)
-    out, done = [], 0
-    for _, n in sizes:
-        out.append(min(nranks - 1, (2 * done + n) * nranks // (2 * max(1, total))))
-        done += n
-    return out
-
-
-def divide(sizes: list, nranks: int) -> list[int]:
-    """The rank of each item, ``sizes`` being (file, bytes) in processing order: every file's items go to one
-    rank while the file fits in a fair share (total / ranks); a larger file is cut, at item boundaries, into
-    runs of about a fair share; runs are given largest first to the least loaded rank (ties: lowest rank)."""
-    if nranks <= 1:
-        return [0] * len(sizes)
-    total = sum(n for _, n in sizes)
-    fair = max(1, -(-total // nranks))
-    by_file: dict = {}
-    for i, (f, n) in enumerate(sizes):
-        by_file.setdefault(f, []).append(i)
-    runs = []  # (bytes, first index, [indices])
-    for idx in by_file.values():
-        fsize = sum(sizes[i][1] for i in idx)
-        cut = fsize > fair
-        cur, cur_n = [], 0
-        for i in idx:
-            if cut and cur and cur_n + sizes[i][1] / 2 > fair:
-                runs.append((cur_n, cur[0], cur))
-                cur, cur_n = [], 0
-            cur.append(i)
-            cur_n += sizes[i][1]
-        if cur:
-            runs.append((cur_n, cur[0], cur))
-    load = [0] * nranks
-    out = [0] * len(sizes)
-    for n, first, idx in sorted(runs, key=lambda x: (-x[0], x[1])):
-        r = min(range(nranks), key=lambda k: (load[k], k))
-        load[r] += n
-        for i in idx:
-            out[i] = r
-    return out
 
 
 def _one_line(e: BaseException) -> str:
@@ -169,7 +126,7 @@ def failed_before_joining(e: BaseException, timeout: float | None, started: int)
             return
         t = TIMEOUT if timeout is None else timeout
         raw = _store(rank, nranks, t, budget=min(2.0, t))[0]
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: see the note at the imports
 
         _record_fail(dist.PrefixStore(_prefix(), raw),
                      f"rank {rank} ({socket.gethostname()}) failed before joining: {_what(e)}",
@@ -250,7 +207,7 @@ def _store(rank: int, nranks: int, timeout: float, budget: float | None = None):
     A rank that cannot reach it in time: :class:`PeerFailed` naming rank 0 (or the launcher) and the address."""
     global _STORE
     if _STORE is None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: see the note at the imports
 
         host, port, agent = endpoint()
         budget = timeout if budget is None else budget
@@ -279,7 +236,7 @@ class Group:
     """The ranks of one distributed command (see the module doc). ``lead``: rank 0."""
 
     def __init__(self, rank: int, nranks: int, timeout: float):
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: see the note at the imports
 
         self.rank, self.world, self.timeout = rank, nranks, float(timeout)
         self.lead_rank = rank == 0

@@ -8,9 +8,11 @@ import threading
 
 import torch
 
-from .errors import InputError
-from .driver import Destination
-from .layout import Box, numel
+from ..copy.destination import Destination
+from ..copy.fileio import read_rec_box
+from ..copy.plan import EngineError, Rec
+from ..core.errors import InputError
+from ..layout import Box, numel
 
 INDEX = "model.safetensors.index.json"
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
@@ -124,8 +126,6 @@ class HFReader:
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
         """Read ``box`` of tensor ``name`` with preadv from its byte range (no mmap: a file larger than memory
         reads fine; memory follows the box)."""
-        from .engine import EngineError, read_rec_box
-
         rec = self.records()[name]
         fd = self._fds.get(rec.path)
         if fd is None:
@@ -150,12 +150,10 @@ class HFReader:
             pass
 
     def records(self) -> dict:
-        """Name -> engine :class:`~ckpt_tools.engine.Rec` (file, absolute data offset, shape, dtype), from the
+        """Name -> engine :class:`~ckpt_tools.copy.plan.Rec` (file, absolute data offset, shape, dtype), from the
         safetensors headers (8-byte little-endian length, JSON with ``data_offsets`` relative to the data
         section, checked at open). The engine reads these byte ranges with copy_file_range / preadv."""
         if self._records is None:
-            from .copyplan import Rec
-
             self._records = {k: Rec(fp, off, shp, dt, what=k) for k, (fp, off, shp, dt) in self._rec_args.items()}
         return self._records
 
@@ -373,8 +371,6 @@ class HFDestination(Destination):
         self.file_of = {t: fn for fn, _, _, where in self.layout for t in where}
 
     def items(self, root: str):
-        from .copyplan import Rec
-
         for fn, _, _, where in self.layout:
             for tname, (off, shape, dtype) in where.items():
                 rec = Rec(os.path.join(root, fn), off, shape, dtype, what=tname)

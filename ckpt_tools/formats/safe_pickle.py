@@ -18,7 +18,7 @@ import pickle
 
 import torch
 
-from .errors import InputError
+from ..core.errors import InputError
 
 
 class UnsafePickleError(InputError):
@@ -81,7 +81,7 @@ class SafeUnpickler(pickle.Unpickler):
         if key in _STUBS:
             cls = _STUB_CLASSES.get(key)
             if cls is None:
-                cls = _STUB_CLASSES[key] = type(name, (_Inert,), {"__module__": "ckpt_tools.safe_pickle"})
+                cls = _STUB_CLASSES[key] = type(name, (_Inert,), {"__module__": __name__})
             return cls
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -98,6 +98,8 @@ def load_metadata(path: str):
     with open(path, "rb") as f:
         md = SafeUnpickler(f, path).load()
     if getattr(md, "storage_meta", "absent") is None:
+        # lazy (a documented start-up cost): torch.distributed.checkpoint takes ~0.7 s to import (DTensor, sympy)
+        # and every command imports this module; find_class has imported it by now
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         md.storage_meta = StorageMeta()

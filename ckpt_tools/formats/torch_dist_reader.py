@@ -1,24 +1,29 @@
 """Reading any megatron-core ``torch_dist`` checkpoint directly (no model, no process group): the format is
-described in :mod:`ckpt_tools.torch_dist` (the writer) and docs/format.md."""
+described in :mod:`ckpt_tools.formats.torch_dist` (the writer) and docs/format.md."""
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import os
 import pickle
+import struct
 import threading
 from collections import OrderedDict, defaultdict
 
 import torch
 
-from .fsutil import read_json
-from .layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
+from ..copy.fileio import read_rec_box
+from ..copy.plan import EngineError, Rec
+from ..core.files import read_json
+from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
+from .safe_pickle import UnsafePickleError, load_metadata
 from .torch_dist import DistCkptError, dcp
 
 
 class TorchDistReader:
     """Reads any megatron-core torch_dist checkpoint: ``.metadata`` with the allow-list unpickler
-    (:mod:`ckpt_tools.safe_pickle`; torch's FileSystemReader would run any code in it), chunk
+    (:mod:`ckpt_tools.formats.safe_pickle`; torch's FileSystemReader would run any code in it), chunk
     bytes by (file, offset, length). ``prefix`` is auto-detected (``model.`` in verl training checkpoints)."""
 
     def __init__(self, path: str, prefix: str | None = None, cache_bytes: int = 1 << 30):
@@ -33,8 +38,6 @@ class TorchDistReader:
             raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
         m = dcp()
         Metadata, TensorStorageMetadata = m.Metadata, m.TensorStorageMetadata
-        from .safe_pickle import UnsafePickleError, load_metadata
-
         try:  # torch's FileSystemReader.read_metadata is a plain pickle.load: allow-list unpickler instead
             md = load_metadata(os.path.join(path, ".metadata"))
         except (FileNotFoundError, IsADirectoryError):
@@ -246,7 +249,7 @@ class TorchDistReader:
         return t
 
     def record(self, key: str, cbox: Box, si):
-        """The engine source :class:`~ckpt_tools.engine.Rec` of one stored chunk: the raw data inside its
+        """The engine source :class:`~ckpt_tools.copy.plan.Rec` of one stored chunk: the raw data inside its
         torch.save zip record. Records of one (length, shape, dtype) class are laid out alike; one exemplar
         per class is parsed with torch's own zip reader and torch.load (data offset, contiguity, byte order),
         and every record is checked against the exemplar's header bytes before its first read (a record
@@ -254,8 +257,6 @@ class TorchDistReader:
         rk = (key, cbox)
         rec = self._recs.get(rk)
         if rec is None:
-            from .copyplan import Rec
-
             shp, dt = box_shape(cbox), self.dtype(key)
             ck = (si.length, shp, dt)
             cls = self._classes.get(ck)
@@ -352,8 +353,6 @@ class TorchDistReader:
 
     def chunk_part(self, key: str, cbox: Box, si, local: Box) -> torch.Tensor:
         """``local`` (a box inside the chunk) of the stored chunk ``cbox`` of ``key``."""
-        from .engine import EngineError, read_rec_box
-
         rec = self.record(key, cbox, si)
         if not rec.slow and self.head_ok(rec):
             try:
@@ -437,8 +436,6 @@ def zip_problem(read, length: int, data_off: int, nbytes: int) -> str | None:
     the offset those give and, for each entry, takes name, sizes and the local header offset from its central
     entry and the data offset from the local header it points to (signature, name and extra lengths); the CRC
     fields are not checked on load (torch/serialization.py, set_crc32_options). Each of those is checked here."""
-    import struct
-
     try:
         sig, _, _, _, n, cd_size, cd_off, comment = struct.unpack("<IHHHHIIH", read(length - 22, 22))
         if sig != _EOCD or comment:
@@ -524,8 +521,6 @@ class _IntervalIndex:
     def query(self, box):
         if self.leaf:
             return self.items
-        import bisect
-
         lo, hi = box[self.d]
         if self.disjoint:
             i = max(0, bisect.bisect_right(self.starts, lo) - 1)

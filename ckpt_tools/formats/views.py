@@ -6,21 +6,37 @@ verification are all "read HF boxes from one view, place them by another layout"
 """
 from __future__ import annotations
 
+import glob
 import os
 
 import torch
 
 import converters
+from converters import vllm_names
+from converters.vllm_names import file_name
 
-from .errors import InputError
-from .fsutil import read_json
+from ..core.errors import InputError
+from ..core.files import read_json
+from ..layout import (
+    SPECS,
+    Box,
+    LayoutError,
+    MegatronLayout,
+    VllmLayout,
+    box_intersect,
+    box_shape,
+    box_shift,
+    box_slices,
+    full_box,
+    hf_shapes,
+    vllm_parallel,
+)
+from ..layout.model_config import ModelConfig, load_config
 from .hf import HFError, HFReader
-from .layout import Box, LayoutError, box_intersect, box_shape, box_shift, box_slices, full_box
-from .layout import SPECS, MegatronLayout, VllmLayout, hf_shapes, vllm_parallel
-from .model_config import ModelConfig, load_config
 from .torch_dist import DistCkptError
 from .torch_dist_reader import TorchDistReader
 from .vllm_format import VLLM_META, vllm_shard_files
+
 
 class FormatError(InputError):
     pass
@@ -257,8 +273,6 @@ class VllmView:
     kind = "vllm"
 
     def __init__(self, path: str, cfg: ModelConfig | None = None):
-        from converters import vllm_names
-
         self.path = path
         mp = os.path.join(path, VLLM_META)
         if not os.path.isfile(mp):
@@ -334,10 +348,6 @@ class VllmView:
         (vllm/model_executor/model_loader/sharded_state_loader.py: ``glob.glob(os.path.join(path,
         _render_default_pattern(pattern, part="*")))``) in the directory it is pointed at: any such file of a
         TP rank besides the one this layout writes would be loaded too (tensors twice, or unknown names)."""
-        import glob
-
-        from converters.vllm_names import file_name
-
         out = []
         for d in sorted({os.path.dirname(f) for f in self.files.values()}):
             want = {f for f in self.files.values() if os.path.dirname(f) == d}

@@ -2,7 +2,7 @@
 
 vLLM's ShardedStateLoader reads ``model-rank-{tp_rank}-part-{i}.safetensors`` (the names per vLLM version:
 converters/vllm_names.py) with the tensor names and extra buffers of that version; ``vllm_layout.json`` records
-the layout for ``verify`` / ``inspect`` (:class:`~ckpt_tools.views.VllmView` reads what this writes).
+the layout for ``verify`` / ``inspect`` (:class:`~ckpt_tools.formats.views.VllmView` reads what this writes).
 """
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ import os
 
 import torch
 
-from .driver import Destination
+from converters.vllm_names import file_name
+
+from ..copy.destination import Destination
+from ..copy.plan import Op, Rec
+from ..layout import LayoutError, VllmParallel, box_numel, boxes_disjoint_cover, numel
 from .hf import safetensors_files, side_files, tensor_bytes
-from .layout import LayoutError, VllmParallel, box_numel, boxes_disjoint_cover, numel
 
 VLLM_META = "vllm_layout.json"
 
@@ -25,8 +28,6 @@ def vllm_shard_files(par: VllmParallel, names: dict, dp_dirs: bool) -> dict[int,
     vLLM's ShardedStateLoader names files by TP rank only (converters/vllm_names.py), so ranks of different DP
     engines share a file unless ``dp_dirs`` (a MoE model at DP > 1: their expert parts differ,
     VllmParallel.moe_tp), which gives DP rank k the directory ``dp_k``."""
-    from converters.vllm_names import file_name
-
     out = {}
     for r in range(par.world):
         fn = file_name(names, r % par.tp)
@@ -72,8 +73,6 @@ class VllmDestination(Destination):
         self.total = sum(numel(ts.shape) * dtype.itemsize for _, _, _, _, ts, dtype in self.recs)
 
     def items(self, root: str):
-        from .copyplan import Rec
-
         for r, fn, off, n, ts, dtype in self.recs:
             rec = Rec(os.path.join(root, fn), off, ts.shape, dtype, what=n)
             yield rec, functools.partial(self._ops, r, rec, ts)
@@ -87,8 +86,6 @@ class VllmDestination(Destination):
         return out
 
     def _ops(self, r, rec, ts) -> list:
-        from .copyplan import Op
-
         ops = []
         for seg in ts.segments:
             for srec, sbox, hsub in self.view.sources(seg.hf, seg.hf_box):

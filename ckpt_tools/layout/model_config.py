@@ -5,7 +5,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from importlib import resources
-from .errors import InputError
+
+from ..core.errors import InputError
+from ..core.files import read_json
 
 PRESETS = {"qwen3-235b-a22b": "qwen3-235b-a22b.config.json"}
 
@@ -51,8 +53,6 @@ def load_config(path_or_preset: str) -> ModelConfig:
         raise ConfigError(f"no HF config at {path_or_preset} (expected a model dir, a config.json or one of {sorted(PRESETS)})")
     if p.endswith(".safetensors"):
         raise ConfigError(f"{p} is a weights file: give the model directory (config.json + *.safetensors)")
-    from .fsutil import read_json
-
     d = read_json(p, ConfigError)
     try:
         return config_from_dict(d)

@@ -17,7 +17,7 @@ whose destination is a box-shaped view of the parameter, and each such (HF box -
 once. Anything else (a loader that computes values, casts, transposes, writes twice, writes a parameter we did not
 plan) puts the parameter in the *fallback* set: the HF tensors that feed it keep going through ``load_weights``
 every step, and the step report names them. The byte-level proof is the verification of that step (and of every
-step): the digests of the parameter regions equal the sender's (:mod:`ckpt_tools.sync_verify`).
+step): the digests of the parameter regions equal the sender's (:mod:`ckpt_tools.sync.verify`).
 
 The map is valid while the parameters are the same tensors (name, storage, shape, dtype); a step that finds
 them re-created (vLLM woke up from sleep level 2, a rebuilt model) learns it again through ``load_weights``.
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .layout import box_numel, box_slices
+from ..layout import box_numel, box_slices
 
 
 def _strides(shape) -> list:

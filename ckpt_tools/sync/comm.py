@@ -1,7 +1,7 @@
 """The sync's communication layer: the data group and its gloo control group (:func:`control_group_for`),
 small all-gathered summaries on the control group, and waits that time out (gloo and NCCL / HCCL works), plus
-:class:`SyncError`, the one-line error of every refused or failed sync. Used by :mod:`ckpt_tools.sync_transport`,
-:mod:`ckpt_tools.sync_verify` and ckpt_tools.integrations.verl.
+:class:`SyncError`, the one-line error of every refused or failed sync. Used by :mod:`ckpt_tools.sync.transport`,
+:mod:`ckpt_tools.sync.verify` and ckpt_tools.integrations.verl.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .digest import digest
 
@@ -26,8 +27,6 @@ _SUMMARY_BYTES = 1024
 
 def _exchange_summaries(summary: dict, comm: "_Comm", timeout_s: float) -> list[dict]:
     """all-gather of a small fixed-size JSON per rank on the control group, with a monitored wait."""
-    import torch.distributed as dist
-
     raw = json.dumps(summary).encode()[:_SUMMARY_BYTES]
     t = torch.zeros(_SUMMARY_BYTES, dtype=torch.uint8)
     t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -79,8 +78,6 @@ ABANDONED: list = []
 
 
 def _rank_of() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -92,7 +89,7 @@ def _device_of(model, default="cpu"):
 
 
 def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
-    """:func:`ckpt_tools.digest.digest` for the sync: a failure inside it (a device error, memory) is a one-line
+    """:func:`ckpt_tools.sync.digest.digest` for the sync: a failure inside it (a device error, memory) is a one-line
     SyncError naming the rank and the tensor, like every other failure of a step."""
     try:
         return digest(t, dtype)
@@ -123,8 +120,6 @@ def control_group_for(group=None):
     """A gloo group over the same ranks as ``group`` (None: the default group), for the sync's control messages
     and monitored waits; ``group`` itself when it is gloo already. Made once per group and cached: the first call
     is collective (``dist.new_group``: every rank of the default group calls it at the same point)."""
-    import torch.distributed as dist
-
     if dist.get_backend(group) == "gloo":
         return group
     key = "default" if group is None else id(group)
@@ -135,8 +130,6 @@ def control_group_for(group=None):
 
 
 def _comm(group, control_group) -> _Comm:
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     backend = str(dist.get_backend(group))

@@ -79,7 +79,7 @@ def decode(payload: torch.Tensor, mode: int, n: int, k: int, dtype: torch.dtype)
 
 def patch(sinks, idx: torch.Tensor, vals: torch.Tensor) -> None:
     """Write ``vals`` at message positions ``idx`` (sorted) through the message's sinks (parameter views, see
-    ckpt_tools.sync_apply.Sink): the positions are split by sink with one searchsorted, each sink patched in place
+    ckpt_tools.sync.apply.Sink): the positions are split by sink with one searchsorted, each sink patched in place
     (``index_copy_`` on a contiguous view; a strided view is read, patched and written back)."""
     if idx.numel() == 0:
         return

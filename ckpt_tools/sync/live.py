@@ -20,7 +20,9 @@ import sys
 
 import torch
 
-from .layout import vllm_expert_range
+from converters import vllm_names
+
+from ..layout import vllm_expert_range
 
 
 def parallel_ranks() -> dict:
@@ -123,8 +125,6 @@ class LiveParams:
     vLLM version's table, converters/vllm_names.py)."""
 
     def __init__(self, model, version: str | None = None):
-        from converters import vllm_names
-
         try:
             _, self.tab = vllm_names.table(version)
         except vllm_names.UnknownVersion:  # names of an unknown build: the logical names, as they are

@@ -5,7 +5,7 @@ buckets and messages, and proves the plan covers every rollout rank's vLLM param
 The layout math is not here: Megatron chunks and HF <-> Megatron segments come from
 :class:`~ckpt_tools.layout.MegatronLayout`, what each vLLM rank's loader reads from
 :class:`~ckpt_tools.layout.VllmLayout`, boxes from :mod:`ckpt_tools.layout`. The transport that runs a schedule
-is :mod:`ckpt_tools.sync_transport`; ``ckpt_tools.sync`` is the public entry.
+is :mod:`ckpt_tools.sync.transport`; ``ckpt_tools.sync`` is the public entry.
 """
 from __future__ import annotations
 
@@ -16,10 +16,21 @@ from typing import NamedTuple
 
 import torch
 
-from .layout import (Box, LayoutError, MegatronParallel, VllmParallel, box_intersect, box_numel, box_shape,
-                     box_shift, boxes_disjoint_cover, numel)
-from .layout import MegatronLayout, VllmLayout
-from .model_config import ModelConfig
+from ..layout import (
+    Box,
+    LayoutError,
+    MegatronLayout,
+    MegatronParallel,
+    VllmLayout,
+    VllmParallel,
+    box_intersect,
+    box_numel,
+    box_shape,
+    box_shift,
+    boxes_disjoint_cover,
+    numel,
+)
+from ..layout.model_config import ModelConfig
 
 
 class Piece(NamedTuple):

@@ -1,7 +1,7 @@
 """The sync's transport: :func:`sync_weights` pushes a live Megatron actor's weights into vLLM along a
-:class:`~ckpt_tools.sync_schedule.SyncSchedule`, over ``torch.distributed`` point-to-point ops on the data group
+:class:`~ckpt_tools.sync.schedule.SyncSchedule`, over ``torch.distributed`` point-to-point ops on the data group
 (gloo / NCCL / HCCL), after a preflight on the control group that refuses a mismatched topology or model before any
-byte moves (:mod:`ckpt_tools.sync_comm`), and proves the result when asked (:mod:`ckpt_tools.sync_verify`).
+byte moves (:mod:`ckpt_tools.sync.comm`), and proves the result when asked (:mod:`ckpt_tools.sync.verify`).
 :func:`local_chunks` reads the actor's tensors from its own ``sharded_state_dict()``.
 """
 from __future__ import annotations
@@ -12,14 +12,18 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
-from . import numbers, sync_apply, sync_delta, vllm_live
-from .layout import box_numel, box_shape, box_slices
-from .sync_comm import ABANDONED, SyncError, _comm, _device_of, _exchange_summaries, _one_line, _rank_of, _wait_data
-from .sync_comm import checked_digest as digest
-from .sync_delta import DENSE
-from .sync_schedule import SyncSchedule
-from .sync_verify import _all_to_all, _flat, _verify, _views
+from ..core import numbers
+from ..layout import box_numel, box_shape, box_slices
+from . import apply as sync_apply
+from . import delta as sync_delta
+from . import live as vllm_live
+from .comm import ABANDONED, SyncError, _comm, _device_of, _exchange_summaries, _one_line, _rank_of, _wait_data
+from .comm import checked_digest as digest
+from .delta import DENSE
+from .schedule import SyncSchedule
+from .verify import _all_to_all, _flat, _verify, _views
 
 logger = logging.getLogger("ckpt_tools.sync")
 
@@ -71,7 +75,7 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
     """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
     chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
     fingerprints and problems (one monitored all-gather on the control group). Re-attaches expert
-    ``weight_loader``s a vLLM build dropped (see ckpt_tools.vllm_live)."""
+    ``weight_loader``s a vLLM build dropped (see ckpt_tools.sync.live)."""
     problem, chunks, live = "", {}, None
     rank = comm.rank
     if comm.world < schedule.world:
@@ -163,15 +167,15 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     parameters were re-created; always without ``direct``) it builds full-shape HF tensors of the bucket (only
     the regions its vLLM loader reads are written; the rest is ``torch.empty``, or ``fill_value`` for tests) and
     hands them to ``vllm_model.load_weights`` (learning where the loader puts each region:
-    :mod:`ckpt_tools.sync_apply`); on later steps each message is written straight into views of the live
+    :mod:`ckpt_tools.sync.apply`); on later steps each message is written straight into views of the live
     parameters (received in place when it fills one contiguous view), except the HF tensors of parameters whose
     loader is not a plain copy (``fallback_params``), which still go through ``load_weights``. With ``delta``
     (and ``direct``) a sender keeps a shadow of each message it sent (``shadow`` = ``"host"``: CPU memory, moved
     to the device per bucket; ``"device"``: the send device's memory) and sends only the elements that changed
-    (:mod:`ckpt_tools.sync_delta`), after the receiver proved its base equal to that shadow (digests at the step's
+    (:mod:`ckpt_tools.sync.delta`), after the receiver proved its base equal to that shadow (digests at the step's
     start); a message whose base differs goes full in the same step. (3) with ``verify``: every sender digests
     each message's full new values, the receivers digest the parameter regions those pieces were meant to fill,
-    after the last bucket (:mod:`ckpt_tools.sync_verify`): a delta step is proven equal to a full one; a
+    after the last bucket (:mod:`ckpt_tools.sync.verify`): a delta step is proven equal to a full one; a
     difference is a SyncError naming rank, vLLM parameter, region, HF tensor and region, on every rank.
 
     Returns this rank's counters: ``recv_bytes`` (its shard, self copies included), ``recv_net_bytes``,
@@ -346,8 +350,6 @@ class _Step:
         return out
 
     def _bucket(self, b, pieces, flags):
-        import torch.distributed as dist
-
         s, rank, comm, cnt, st = self.s, self.rank, self.comm, self.cnt, self.st
         dtype = s.dtype
         sends, recvs, selfs = defaultdict(list), defaultdict(list), []
@@ -486,8 +488,6 @@ class _Step:
 
     def _wait_all(self, b, works, sends, recvs):
         if works and not hasattr(works[0], "wait"):  # P2POp list (headers): post them first
-            import torch.distributed as dist
-
             try:
                 works = dist.batch_isend_irecv(works)
             except Exception as e:  # noqa: BLE001
@@ -541,8 +541,6 @@ class _Step:
         """Every rank's fallback HF tensors (receiver rank -> set), for the verification: their pieces are proven
         on the wire, not in the parameters (vLLM's loader transforms them). One 1 KiB summary each; only a set too
         long for it goes through all_gather_object."""
-        import torch.distributed as dist
-
         mine = sorted(self.st.fallback_hf) if self.local is not None else []
         short = len(json.dumps(mine)) < 900
         alls = _exchange_summaries({"fb": mine if short else None}, self.comm, self.timeout_s)

@@ -1,5 +1,5 @@
 """The sync's verification: after the last bucket, prove that every vLLM parameter region a rollout rank was sent
-holds exactly the bytes its sender sent (per-message digests from :mod:`ckpt_tools.digest` over the control group;
+holds exactly the bytes its sender sent (per-message digests from :mod:`ckpt_tools.sync.digest` over the control group;
 on a difference, per-piece digests name the first wrong piece). Called by :func:`ckpt_tools.sync.sync_weights`.
 """
 from __future__ import annotations
@@ -8,18 +8,17 @@ import time
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
-from .layout import box_slices
-from .sync_comm import SyncError, _exchange_summaries, _one_line, _wait
-from .sync_comm import checked_digest as digest
+from ..layout import box_slices
+from .comm import SyncError, _exchange_summaries, _one_line, _wait
+from .comm import checked_digest as digest
 
 
 def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str):
     """Monitored all-to-all of int64 digests on the control group: ``parts[d]`` (list of 0-d tensors, any
     device) to rank d. Posted now; the returned function waits for it and returns what every rank sent here,
     concatenated in rank order (so the caller can work meanwhile)."""
-    import torch.distributed as dist
-
     flat = [t for ps in parts for t in ps]
     out = torch.stack(flat).cpu() if flat else torch.zeros(0, dtype=torch.int64)
     got = torch.zeros(sum(recv_split), dtype=torch.int64)

@@ -6,10 +6,11 @@ import json
 import os
 
 import torch
+from tqdm import tqdm
 
-from .hf import HFShardWriter
-from .layout import hf_shapes
-from .model_config import config_from_dict, load_config
+from ..formats.hf import HFShardWriter
+from ..layout import hf_shapes
+from ..layout.model_config import config_from_dict, load_config
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
             num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -51,8 +52,6 @@ def make_tiny_hf(out: str, seed: int = 0, dtype=torch.float32, max_shard_size="2
 def make_synthetic_hf(out: str, config: dict, dtype=torch.bfloat16, max_shard_size=2 * 10 ** 9, seed=0,
                       progress=True) -> int:
     """Stream a random checkpoint of ``config`` to ``out`` (never holds more than one tensor). Returns bytes."""
-    from tqdm import tqdm
-
     os.makedirs(out, exist_ok=True)
     cfg = config_from_dict(config)
     shapes = hf_shapes(cfg)
