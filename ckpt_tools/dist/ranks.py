@@ -10,8 +10,8 @@ through the shared file system; the coordination is small messages over the job'
 * :meth:`Group.lead`: rank 0 runs a step (staging ``--out``, creating the files, finishing and publishing) and
   the others get its result (or its failure);
 * :func:`~ckpt_tools.dist.divide.divide`: records (or tensors, or manifest ranges) divided among the ranks by bytes,
-  balanced, whole files first (a file larger than a rank's fair share is cut at record boundaries): no two ranks write one
-  record, and the engine never writes outside its records' bytes (O_DIRECT only inside a run's aligned
+  balanced, whole files first (a file larger than a rank's fair share is cut at record boundaries): no two ranks
+  write one record, and the engine never writes outside its records' bytes (O_DIRECT only inside a run's aligned
   interior), so ranks sharing a file never touch each other's bytes;
 * a watcher thread per rank: a heartbeat in the store every ``BEAT`` seconds; a rank whose process is gone
   (same host: /proc) or whose heartbeat stopped for ``timeout`` seconds, or that raised an error, is named in

@@ -425,7 +425,7 @@ class _Step:
             works = dist.batch_isend_irecv(ops) if ops else []
         except Exception as e:  # noqa: BLE001
             raise self.fail(b, f"posting transfers failed ({_one_line(e)})") from None
-        try:  # a failure while they run (a digest, memory): the posted buffers stay referenced (see sync_comm.ABANDONED)
+        try:  # a failure while they run (a digest, memory): the posted buffers stay referenced (see comm.ABANDONED)
             # while they run: the full-shape HF tensors this bucket needs, the self copies, the digests of what is sent
             full = self._full_tensors(selfs + [p for ps in recvs.values() for p in ps])
             ta = time.perf_counter()
