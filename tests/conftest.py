@@ -74,7 +74,7 @@ def run_megatron(tmp, **kw):
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """A real transformers Qwen3MoeForCausalLM (random weights), fp32, sharded safetensors + index."""
-    from ckpt_tools.synth import make_tiny_hf
+    from ckpt_tools.testing.synth import make_tiny_hf
 
     d = str(tmp_path_factory.mktemp("tiny_hf"))
     make_tiny_hf(d, dtype=torch.float32)
@@ -83,7 +83,7 @@ def tiny_hf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_hf_bf16(tmp_path_factory):
-    from ckpt_tools.synth import make_tiny_hf
+    from ckpt_tools.testing.synth import make_tiny_hf
 
     d = str(tmp_path_factory.mktemp("tiny_hf_bf16"))
     make_tiny_hf(d, dtype=torch.bfloat16, seed=1)
@@ -93,7 +93,7 @@ def tiny_hf_bf16(tmp_path_factory):
 @pytest.fixture(scope="session")
 def twin_hf(tmp_path_factory):
     """Qwen3-235B-A22B structural twin: 94 layers, 128 experts, 64 q / 4 kv heads, tiny widths (bf16)."""
-    from ckpt_tools.synth import make_synthetic_hf, twin_config
+    from ckpt_tools.testing.synth import make_synthetic_hf, twin_config
 
     d = str(tmp_path_factory.mktemp("twin_hf"))
     make_synthetic_hf(d, twin_config(), max_shard_size=8 * 10 ** 6, progress=False)

@@ -1,7 +1,7 @@
 """Golden outputs: the sha256 of every file each CLI direction writes from one tiny deterministic Qwen3-MoE.
 
 Issue 19 (one conversion driver) must not change a byte of any output. This module copies a tiny bf16 HF
-Qwen3-MoE (``tests/fixtures/golden_source``, made by ``ckpt_tools.synth.make_tiny_hf`` with a fixed seed), runs every direction below through
+Qwen3-MoE (``tests/fixtures/golden_source``, made by ``ckpt_tools.testing.synth.make_tiny_hf`` with a fixed seed), runs every direction below through
 ``ckpt_tools.cli.main`` and hashes every file each run leaves in its own directory (the output and anything
 next to it, e.g. a leftover ``OUT.lock`` or ``OUT.partial-*``). ``tests/test_golden_outputs.py`` compares
 those hashes with ``tests/fixtures/golden_6271fa1.json``, recorded from main 6271fa1 with::
@@ -132,7 +132,7 @@ def synth_source(d: str) -> str:
     """How SOURCE_DIR was made (``make_tiny_hf``, bf16, seed 19)."""
     import torch
 
-    from ckpt_tools.synth import make_tiny_hf
+    from ckpt_tools.testing.synth import make_tiny_hf
 
     return make_tiny_hf(d, seed=SEED, dtype=torch.bfloat16)
 

@@ -60,11 +60,11 @@ def run_fake(rank, world, a):
     import torch.distributed as dist
 
     from ckpt_tools.layout import MegatronParallel, VllmParallel
-    from ckpt_tools.model_config import config_from_dict
-    from ckpt_tools.synth import TINY
+    from ckpt_tools.layout.model_config import config_from_dict
     from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
     from ckpt_tools.testing import FakeActor, LayoutReceiver, hf_tensor
     from ckpt_tools.testing.baselines import sync_weights_gather_all
+    from ckpt_tools.testing.synth import TINY
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -133,12 +133,12 @@ def run_checks(rank, world, a):
     (3) vLLM on rank 1 reporting another DP / EP rank than the schedule plans: the refusal."""
     import torch.distributed as dist
 
-    from ckpt_tools import vllm_live
     from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel
-    from ckpt_tools.model_config import config_from_dict
-    from ckpt_tools.synth import TINY
+    from ckpt_tools.layout.model_config import config_from_dict
     from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
+    from ckpt_tools.sync import live as vllm_live
     from ckpt_tools.testing import FakeActor, LayoutReceiver
+    from ckpt_tools.testing.synth import TINY
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -187,17 +187,17 @@ def run_hardening(rank, world, a):
     """Issue 24's hardening, on 2 gloo ranks (MoE, actor PP2 -> vLLM TP2): (1) parameters that require grad on
     both sides (TE grouped experts hand such out): the sync must work (it runs under no_grad), full and direct;
     (2) the ranks called with different switches (rank 1 delta=True): a one-line refusal on both before any
-    byte; (3) the digest fails on rank 1 (``ckpt_tools.sync_comm.digest`` raises, as a device error would):
+    byte; (3) the digest fails on rank 1 (``ckpt_tools.sync.comm.digest`` raises, as a device error would):
     a SyncError on rank 1 naming it, a SyncError on rank 0 (its peer stopped answering), the posted transfers'
     buffers kept referenced (``sync_comm.ABANDONED``)."""
     import torch.distributed as dist
 
-    from ckpt_tools import sync_comm
     from ckpt_tools.layout import MegatronParallel, VllmParallel
-    from ckpt_tools.model_config import config_from_dict
-    from ckpt_tools.synth import TINY
+    from ckpt_tools.layout.model_config import config_from_dict
     from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
+    from ckpt_tools.sync import comm as sync_comm
     from ckpt_tools.testing import FakeActor, LayoutReceiver
+    from ckpt_tools.testing.synth import TINY
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -264,7 +264,7 @@ def run_real(rank, world, a):
             json.dump(res, f)
         os._exit(0)
     from ckpt_tools.layout import MegatronParallel, VllmParallel
-    from ckpt_tools.model_config import load_config
+    from ckpt_tools.layout.model_config import load_config
     from ckpt_tools.sync import SyncSchedule, sync_weights
     from ckpt_tools.testing.baselines import sync_weights_gather_all
     from ckpt_tools.testing.megatron import build_gpt_model
@@ -293,7 +293,7 @@ def run_real(rank, world, a):
     res["pieces_to_me"] = sum(p.dst == rank for p in sched.pieces)
     before = {n: p.detach().clone() for n, p in vm.named_parameters()}
     if a.get("expert_map_fault"):  # as vllm-ascend's process_weights_after_loading leaves them: no weight_loader
-        from ckpt_tools.vllm_live import expert_modules
+        from ckpt_tools.sync.live import expert_modules
 
         res["loaders_dropped"] = 0
         for _, mod in expert_modules(vm):
@@ -314,7 +314,7 @@ def run_real(rank, world, a):
     res["diff"] = [n for n in ref if not torch.equal(ref[n], got[n])]
     if a.get("expert_map_fault"):  # one MoE layer's experts placed in reverse order: refused before any byte
         from ckpt_tools.sync import SyncError
-        from ckpt_tools.vllm_live import expert_modules
+        from ckpt_tools.sync.live import expert_modules
 
         name, mod = expert_modules(vm)[-1]
         emap = mod.expert_map  # vLLM's own buffer (RoutedExperts._expert_map)
@@ -355,12 +355,11 @@ def run_steps(rank, world, a):
 
     os.environ.update(rank_env(rank, world, a["port"]))
     sys.path.insert(0, os.path.dirname(__file__))
-    from mcore_worker import fill_reference
-
     from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel, box_slices
-    from ckpt_tools.model_config import load_config
+    from ckpt_tools.layout.model_config import load_config
     from ckpt_tools.sync import SyncError, SyncSchedule, sync_weights
     from ckpt_tools.testing.megatron import build_gpt_model
+    from mcore_worker import fill_reference
 
     llm = start_llm(a["hf_a"], tp=a["vpar"]["tp"], expert_parallel=a["vpar"].get("ep", False))
     vm = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

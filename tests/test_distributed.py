@@ -1,4 +1,4 @@
-"""Conversion and verify under torchrun (ckpt_tools.distributed): every rank writes or checks its share.
+"""Conversion and verify under torchrun (ckpt_tools.dist): every rank writes or checks its share.
 
 The outputs of 4 ranks are byte-identical to one process's, for every direction; a rank killed mid-run stops
 the others with one line naming it and nothing is published; a rank started with other flags is refused before
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from ckpt_tools.dist.divide import divide, divide_in_order
 from conftest import HERE, ROOT, free_port
 from test_trust_fs import _tree
-from ckpt_tools.distributed import divide, divide_in_order
 
 TOPO = ["--pp", "2", "--tp", "2", "--ep", "2"]
 QUIET = ["--no-progress", "--dist-timeout", "120"]
@@ -184,6 +184,6 @@ def test_plan_predicts_the_distributed_time(tmp_path, capsys):
     assert d["bounded_by"] == "shared file system" and d["ranks"] == 128
     assert d["predicted_seconds"] < d["one_process_seconds"] / 10
     assert "under torchrun on 16 nodes x 8 ranks" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e:  # argparse's usage error (exit 2), naming the flag (ckpt_tools.numbers)
+    with pytest.raises(SystemExit) as e:  # argparse's usage error (exit 2), naming the flag (ckpt_tools.core.numbers)
         main(argv + ["--nodes", "0"])
     assert e.value.code == 2 and "--nodes" in capsys.readouterr().err

@@ -9,9 +9,10 @@ import pickle
 import pytest
 import torch
 
-from ckpt_tools import convert, engine
-from ckpt_tools.engine import Op, Rec, run_copy
-from ckpt_tools.views import HFView, McoreView
+from ckpt_tools import convert
+from ckpt_tools.copy import engine
+from ckpt_tools.copy.engine import Op, Rec, run_copy
+from ckpt_tools.formats.views import HFView, McoreView
 from ckpt_tools.verify import verify
 
 

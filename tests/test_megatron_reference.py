@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckpt_tools import convert
-from ckpt_tools.views import HFView, McoreView
+from ckpt_tools.formats.views import HFView, McoreView
 from ckpt_tools.verify import verify
 from conftest import run_megatron
 

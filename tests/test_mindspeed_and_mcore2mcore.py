@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
+from ckpt_tools.formats.views import HFView, McoreView, VllmView
 from ckpt_tools.layout import MegatronLayout
-from ckpt_tools.model_config import load_config
+from ckpt_tools.layout.model_config import load_config
 from ckpt_tools.verify import verify
-from ckpt_tools.views import ERRORS, HFView, McoreView, VllmView
 from conftest import ROOT, run_megatron
 
 KEYSET = os.path.join(ROOT, "docs", "mindspeed-keyset.json")  # copy of ../shared/docs/mindspeed-keyset.json
@@ -41,8 +41,13 @@ def add_training_entries(d):
     another .distcp file."""
     md = pickle.load(open(os.path.join(d, ".metadata"), "rb"))
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     blob, entries = b"", []
     t = torch.arange(64, dtype=torch.float32)

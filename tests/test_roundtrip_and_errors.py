@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
+from ckpt_tools.formats.views import ERRORS, HFView, McoreView, VllmView
 from ckpt_tools.integrity import IntegrityError
-from ckpt_tools.layout import LayoutError, MegatronParallel
-from ckpt_tools.views import ERRORS, HFView, McoreView, VllmView
+from ckpt_tools.layout import MegatronParallel
 from ckpt_tools.verify import verify
 
 UNEVEN = dict(tp=2, pp=3, ep=2, first=1, last=2)
@@ -55,9 +55,9 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
 
 def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
     """A verl training checkpoint: keys under 'model.' beside optimizer state."""
+    from ckpt_tools.convert import write_torch_dist
     from ckpt_tools.layout import MegatronLayout
-    from ckpt_tools.model_config import load_config
-    from ckpt_tools.torch_dist import write_torch_dist
+    from ckpt_tools.layout.model_config import load_config
 
     cfg = load_config(tiny_hf)
     lay = MegatronLayout(cfg, "local", MegatronParallel.build(cfg.layers, tp=2), prefix="model.")
@@ -218,8 +218,8 @@ def test_interrupted_write_leaves_nothing(tiny_hf, tmp_path):
                     rec = dataclasses.replace(rec, offset=rec.offset + (1 << 40))
                 yield rec, sbox, hsub
 
+    from ckpt_tools.convert import write_torch_dist
     from ckpt_tools.layout import MegatronLayout
-    from ckpt_tools.torch_dist import write_torch_dist
 
     lay = MegatronLayout(view.cfg, "te", MegatronParallel.build(view.cfg.layers, tp=2))
     with pytest.raises(ERRORS, match="truncated"):

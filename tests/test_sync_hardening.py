@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from conftest import run_ranks
 from ckpt_tools.integrations.verl_config import devices_per_node, rollout_parallel
 from ckpt_tools.layout import VllmParallel
 from ckpt_tools.sync import SyncError, sync_weights
+from conftest import run_ranks
 
 
 def test_grad_params_mixed_switches_and_a_failing_digest(tmp_path):

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
+from ckpt_tools import cli
 from ckpt_tools.convert import megatron_parallel
 from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel
-from ckpt_tools.model_config import config_from_dict, load_config
-from ckpt_tools.synth import TINY
+from ckpt_tools.layout.model_config import config_from_dict, load_config
 from ckpt_tools.sync import SyncSchedule
-from ckpt_tools import cli
-from ckpt_tools.sync_cost import delta_figures, plan_sync
+from ckpt_tools.sync.cost import delta_figures, plan_sync
 from ckpt_tools.testing.baselines import gather_all_figures
+from ckpt_tools.testing.synth import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USERS = ["--config", "qwen3-235b-a22b", "--pp", "8", "--tp", "4", "--ep", "4",

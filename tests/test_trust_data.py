@@ -11,12 +11,13 @@ import shutil
 import pytest
 import torch
 
+from ckpt_tools import cli, convert
+from ckpt_tools.dist import ranks as distributed
+from ckpt_tools.integrity import MANIFEST
+from ckpt_tools.layout import MegatronLayout
 from conftest import free_port
 from test_distributed import QUIET, TOPO, _launch
 from test_trust_fs import _tree
-from ckpt_tools import cli, convert, distributed
-from ckpt_tools.integrity import MANIFEST
-from ckpt_tools.layout import MegatronLayout, VllmParallel
 
 
 def _cli(capsys, *argv):
@@ -88,7 +89,7 @@ def test_divide_is_checked_and_documented(tiny_hf, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------- the finish: every record written
 def test_unwritten_names_a_gap_and_a_record_written_twice():
-    from ckpt_tools.copyplan import Rec
+    from ckpt_tools.copy.plan import Rec
     from ckpt_tools.integrity import unwritten
 
     recs = [Rec("/o/f", 0, (4,), torch.float32, what="a"), Rec("/o/f", 16, (4,), torch.float32, what="b"),
@@ -170,7 +171,7 @@ def test_a_weight_dtype_the_family_does_not_use_is_refused(tiny_hf_bf16, tmp_pat
 
 
 def test_a_megatron_source_of_integer_weights_is_refused(tiny_hf_bf16, tmp_path, capsys, monkeypatch):
-    from ckpt_tools import views
+    from ckpt_tools.formats import views
 
     src = _relabel(tiny_hf_bf16, str(tmp_path / "src"), lambda k, v: v.view(torch.int16))
     monkeypatch.setattr(views, "check_weight_dtypes", lambda *a: None)  # what main wrote from it: int16 chunks
@@ -288,8 +289,8 @@ def test_an_output_of_no_tensor_data_is_refused(tiny_hf, tmp_path, capsys, monke
 def test_every_direction_places_every_source_element(tiny_hf, outputs):
     """The guard's count is the layout the copy follows: at least each source tensor's elements, and exactly
     them where nothing is replicated or padded."""
+    from ckpt_tools.formats.views import HFView
     from ckpt_tools.layout import numel
-    from ckpt_tools.views import HFView
 
     hf = HFView(tiny_hf)
     want = {n: numel(s) for n, s in hf.shapes.items()}
@@ -298,7 +299,7 @@ def test_every_direction_places_every_source_element(tiny_hf, outputs):
         def capture(job, view, dest, error, d=d):
             got[d] = dest.placed()
 
-        import ckpt_tools.driver as driver
+        import ckpt_tools.convert.driver as driver
         real = driver._check_complete
         driver._check_complete = lambda *a: (capture(*a), real(*a))
         try:

@@ -121,11 +121,16 @@ def test_allow_list_loads_megatron_and_verl_metadata(tiny_hf, mc, tmp_path, caps
     import pathlib
 
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlan
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from ckpt_tools.safe_pickle import load_metadata
+    from ckpt_tools.formats.safe_pickle import load_metadata
 
     d = str(tmp_path / "mc_megatron_like")
     shutil.copytree(mc, d)
@@ -190,7 +195,7 @@ def test_out_never_deletes_inputs_or_unrelated_files(tiny_hf, mc, tmp_path, caps
 
 
 def _start_held(tmp_path, point, *argv):
-    """Start a CLI run that stops at ``point`` (fsutil.hold_point: the CKPT_TOOLS_TEST_HOLD hook) and return
+    """Start a CLI run that stops at ``point`` (core.hold.hold_point: the CKPT_TOOLS_TEST_HOLD hook) and return
     (process, release): the run stays there until ``release()``; no sleeps, whatever the machine's load."""
     fifo = str(tmp_path / f"hold_{point}_{len(os.listdir(tmp_path))}")
     os.mkfifo(fifo)
@@ -238,7 +243,7 @@ def test_two_concurrent_runs_one_fails_cleanly(tiny_hf, tmp_path):
 
 
 def test_directory_appearing_at_out_is_not_replaced(tiny_hf, tmp_path, capsys, monkeypatch):
-    from ckpt_tools import engine
+    from ckpt_tools.copy import engine
 
     src = convert_mc(tiny_hf, tmp_path)
     orig = engine.run_copy
@@ -387,7 +392,7 @@ def test_stale_partial_of_a_dead_process_is_removed_by_the_next_run(tiny_hf, tmp
 
 
 def test_exit_2_bad_input_one_line_before_any_work(tiny_hf, tmp_path, capsys, monkeypatch):
-    from ckpt_tools import engine
+    from ckpt_tools.copy import engine
 
     def no_copy(*a, **k):
         raise AssertionError("the conversion ran before the input was checked")

@@ -14,12 +14,13 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools import convert, fsutil
-from ckpt_tools.errors import EXIT_CODES
+from ckpt_tools import convert
+from ckpt_tools.core.errors import EXIT_CODES
 from ckpt_tools.integrity import MANIFEST
+from ckpt_tools.output import owner
+from test_distributed import test_a_killed_rank_stops_the_others_and_nothing_is_published as _peer_row
 from test_trust_fs import ROOT, _cli, _cli_sub, _one_line, _start_held, _tree
 from test_trust_fs import test_sigterm_and_sighup_remove_the_partial_output as _signal_row
-from test_distributed import test_a_killed_rank_stops_the_others_and_nothing_is_published as _peer_row
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +82,16 @@ def test_user_dirs_named_like_our_staging_dirs_are_never_removed_or_restored(tin
 
 def test_stale_dirs_are_ours_only_by_record_and_dead_only_by_pid_and_start_time(tmp_path, capsys):
     out = str(tmp_path / "out")
-    me = json.loads(fsutil._identity(out, "partial"))  # this process: alive
+    me = json.loads(owner._identity(out, "partial"))  # this process: alive
     cases = {"alive": (me, True), "reused_pid": ({**me, "start": me["start"] + 1}, False),
              "rebooted": ({**me, "boot_id": "another-boot"}, False), "other_host": ({**me, "host": "node-b"}, True),
              "other_out": ({**me, "out": "elsewhere", "pid": 1 << 22}, True), "not_json": ("x", True)}
     for name, (rec, _) in cases.items():
         d = tmp_path / f"out.partial-{name}"
         d.mkdir()
-        (d / fsutil.MARKER).write_text(rec if isinstance(rec, str) else json.dumps(rec))
+        (d / owner.MARKER).write_text(rec if isinstance(rec, str) else json.dumps(rec))
         (d / "data").write_bytes(b"x")
-    fsutil.remove_stale(out)
+    owner.remove_stale(out)
     assert {n: (tmp_path / f"out.partial-{n}").exists() for n in cases} == {n: k for n, (_, k) in cases.items()}
     err = capsys.readouterr().err
     assert "node-b" in err and "cannot be checked from here" in err

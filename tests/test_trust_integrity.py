@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
+from ckpt_tools.formats.views import HFView
 from ckpt_tools.integrity import MANIFEST
-from ckpt_tools.views import HFView
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,7 +178,7 @@ def _peak(argv):
 
 
 def test_verify_memory_stays_bounded_with_a_tensor_larger_than_max_memory(tiny_hf_bf16, tmp_path):
-    from ckpt_tools.synth import TINY, make_synthetic_hf
+    from ckpt_tools.testing.synth import TINY, make_synthetic_hf
 
     big = str(tmp_path / "big")
     conf = dict(TINY, vocab_size=131072, hidden_size=1024, num_hidden_layers=1, num_experts=2, head_dim=32,

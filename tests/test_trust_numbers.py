@@ -1,5 +1,5 @@
 """Issue 25, "exit 0 with a wrong or empty result" and "every number checked at the door": every numeric flag and
-environment knob is validated where it is parsed (ckpt_tools.numbers: argparse's usage error naming the flag, exit
+environment knob is validated where it is parsed (ckpt_tools.core.numbers: argparse's usage error naming the flag, exit
 2); every vLLM topology flag combination is written exactly or refused by the one rule reshard and plan share
 (layout.vllm_parallel); verify that compared nothing or could check no data is not OK; inspect answers one line
 on an output that describes no rank."""
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from ckpt_tools import cli, convert, numbers
+from ckpt_tools import cli, convert, integrations
+from ckpt_tools.core import numbers
 from ckpt_tools.integrity import MANIFEST
 
 
@@ -91,8 +92,8 @@ def test_good_numbers_still_parse():
 
 
 def test_python_api_timeout_and_vocab_multiple_are_checked(tiny_hf, tmp_path):
-    from ckpt_tools.distributed import join
-    from ckpt_tools.errors import InputError
+    from ckpt_tools.core.errors import InputError
+    from ckpt_tools.dist.ranks import join
     from ckpt_tools.layout import LayoutError
 
     for t in (float("nan"), float("inf"), -1, 0, 1e12):  # one process accepted every one of them
@@ -120,7 +121,7 @@ def test_environment_knobs_are_one_line_naming_the_variable(monkeypatch, name, v
 
 def test_verl_integration_reads_its_knobs_through_the_checker():
     """The sync's environment knobs go through numbers.env (the function tested above), not a float() of its own."""
-    src = "".join(open(os.path.join(os.path.dirname(cli.__file__), "integrations", f)).read()
+    src = "".join(open(os.path.join(os.path.dirname(integrations.__file__), f)).read()
                   for f in ("verl.py", "verl_config.py"))
     for name in ("CKPT_TOOLS_SYNC_TIMEOUT", "CKPT_TOOLS_SYNC_BUCKET_MB", "LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE"):
         assert f'numbers.env("{name}"' in src, name
@@ -183,8 +184,8 @@ def test_verify_and_inspect_of_an_output_of_no_rank(tiny_hf, no_ranks, capsys):
 
 
 def test_two_sided_verify_that_compared_nothing_is_not_ok(tiny_hf, vl):
+    from ckpt_tools.formats.views import HFView, VllmView
     from ckpt_tools.verify import verify
-    from ckpt_tools.views import HFView, VllmView
 
     v = VllmView(vl)
     v.layout.ranks = []  # a view that offers nothing to compare (what the record of no rank used to give)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
+from ckpt_tools.formats.views import FormatError, widest
 from ckpt_tools.integrity import MANIFEST, IntegrityError, SourceCheck, hash_bytes, load_manifest
-from ckpt_tools.views import FormatError, widest
 
 
 def _cli(capsys, *argv):

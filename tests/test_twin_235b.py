@@ -8,11 +8,10 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tools import convert
-from ckpt_tools.layout import VllmParallel
-from ckpt_tools.layout import MegatronLayout
-from ckpt_tools.model_config import load_config
+from ckpt_tools.formats.views import HFView, McoreView, VllmView
+from ckpt_tools.layout import MegatronLayout, VllmParallel
+from ckpt_tools.layout.model_config import load_config
 from ckpt_tools.sync import SyncSchedule
-from ckpt_tools.views import HFView, McoreView, VllmView
 from ckpt_tools.verify import verify
 
 TOPO = dict(pp=8, tp=4, ep=4, first=11, last=11)

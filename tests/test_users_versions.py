@@ -12,8 +12,9 @@ import types
 import torch
 import torch.distributed.checkpoint.metadata as dcp_md
 
-from ckpt_tools import cli, driver
-from ckpt_tools.torch_dist import DCP_VERSION, build_metadata
+from ckpt_tools import cli
+from ckpt_tools.convert import driver
+from ckpt_tools.formats.torch_dist import DCP_VERSION, build_metadata
 
 
 def _torch_271_metadata():

@@ -20,7 +20,6 @@ import pytest
 
 from conftest import run_ranks
 
-
 pytestmark = [
     pytest.mark.vllm, pytest.mark.megatron,
     pytest.mark.skipif(importlib.util.find_spec("verl") is None or importlib.util.find_spec("vllm") is None,
@@ -49,7 +48,7 @@ def _moe_hf(d):
     """A tiny real transformers Qwen3-MoE: 2 layers, 8 experts top-2, 8 q / 4 kv heads, head_dim 32, vocab 250."""
     import torch
 
-    from ckpt_tools.synth import make_tiny_hf
+    from ckpt_tools.testing.synth import make_tiny_hf
 
     return make_tiny_hf(d, seed=0, dtype=torch.bfloat16, vocab_size=250, head_dim=32, num_hidden_layers=2)
 

@@ -12,9 +12,10 @@ import textwrap
 import pytest
 import torch
 
-from ckpt_tools import convert, vllm_format
+from ckpt_tools import convert
+from ckpt_tools.formats import vllm_format
 from ckpt_tools.integrations import vllm_plugin
-from ckpt_tools.synth import TINY_VLLM, make_tiny_hf
+from ckpt_tools.testing.synth import TINY_VLLM, make_tiny_hf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -179,7 +179,6 @@ def _run(rank, world, a, res, mark):
 
     from omegaconf import OmegaConf
     from transformers import AutoConfig
-
     from verl.models.mcore import get_mcore_weight_converter, hf_to_mcore_config, init_mcore_model
     from verl.utils.megatron_utils import get_model, offload_megatron_model_to_cpu
     from verl.workers.sharding_manager.megatron_vllm import MegatronVLLMShardingManager

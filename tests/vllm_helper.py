@@ -22,8 +22,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from ckpt_tools import convert  # noqa: E402
-from ckpt_tools.synth import TINY_VLLM, make_tiny_hf  # noqa: E402
 from ckpt_tools.testing import free_port  # noqa: E402
+from ckpt_tools.testing.synth import TINY_VLLM, make_tiny_hf  # noqa: E402
 from ckpt_tools.testing.vllm import rank_env, shm_tag  # noqa: E402
 
 

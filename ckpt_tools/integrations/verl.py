@@ -20,9 +20,9 @@ Switches (environment variables, read at every step on every rank; set them in t
   gather, that every vLLM parameter region a rank was sent holds exactly the bytes the actor sent (see
   ckpt_tools.sync.sync_weights).
 * ``CKPT_TOOLS_SYNC_DELTA`` = ``off`` (default) | ``on``: send only the changed elements after the first step
-  (ckpt_tools.sync_weights ``delta``; docs/sync.md says what it costs); every rank must have the same value.
+  (ckpt_tools.sync.sync_weights ``delta``; docs/sync.md says what it costs); every rank must have the same value.
 * ``CKPT_TOOLS_SYNC_TIMEOUT`` (seconds, default 600; in (0, a week]): bound on every wait of the sync;
-  ``CKPT_TOOLS_SYNC_BUCKET_MB`` (default 256; > 0): per-rank buffer bound per bucket. Checked by ckpt_tools.numbers.
+  ``CKPT_TOOLS_SYNC_BUCKET_MB`` (default 256; > 0): per-rank buffer bound per bucket. Checked by ckpt_tools.core.numbers.
 
 The schedule is built once, on the first step, from what the job already has: megatron's parallel_state
 (PP / TP / EP / ETP sizes), the transformer config (uneven first / last stages), the HF config (``model_config``),
@@ -39,10 +39,15 @@ import functools
 import logging
 
 import torch
+import torch.distributed as dist
 
-from .. import numbers
+from ..core import numbers
+from ..layout import MegatronParallel
+from ..layout.model_config import config_from_dict
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
-from ..sync_comm import _comm, _exchange_summaries
+from ..sync.comm import _comm, _exchange_summaries
+from ..sync.digest import digest
+from ..sync.transport import _unwrap
 from .verl_config import MODES, VERIFY_MODES, _env, devices_per_node, rollout_parallel
 
 logger = logging.getLogger("ckpt_tools.verl")
@@ -58,11 +63,7 @@ class _State:
 
 def build_schedule(manager, vllm_model, control) -> SyncSchedule:
     """The sync schedule of the running job (see the module docstring for where each figure comes from)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-
-    from ..layout import MegatronParallel
-    from ..model_config import config_from_dict
 
     hf = manager.model_config
     cfg = config_from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
@@ -117,8 +118,6 @@ def _global_shapes(actor_module):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from ..sync_transport import _unwrap
-
     for m in actor_module:
         for v in nested_values(_unwrap(m).sharded_state_dict()):
             if isinstance(v, ShardedTensor) and v.key in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -171,8 +170,6 @@ def _transfer(manager, state: _State, model, mode: str, verl_transfer):
 
 
 def _digests(model) -> dict:
-    from ..digest import digest
-
     return {n: digest(p.detach()) for n, p in model.named_parameters(remove_duplicate=False)}
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .. import numbers
+from ..core import numbers
 from ..layout import VllmParallel
-from ..sync_comm import SyncError
+from ..sync.comm import SyncError
 
 MODES = ("ours", "verl", "check")
 VERIFY_MODES = ("every", "first", "off")

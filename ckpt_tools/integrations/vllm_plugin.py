@@ -35,7 +35,7 @@ import re
 from converters import vllm_names
 
 ENV = "CKPT_TOOLS_VLLM_PLUGIN"
-LAYOUT = "vllm_layout.json"  # = ckpt_tools.vllm_format.VLLM_META (not imported: this module loads in every vLLM)
+LAYOUT = "vllm_layout.json"  # = ckpt_tools.formats.vllm_format.VLLM_META (not imported: loaded in every vLLM)
 log = logging.getLogger("vllm.ckpt_tools")
 
 

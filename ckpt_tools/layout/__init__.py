@@ -1,4 +1,5 @@
-"""All layout math lives here, one room per job: :mod:`~ckpt_tools.layout.boxes` (box geometry, segments),
+"""All layout math lives here, one module per job: :mod:`~ckpt_tools.layout.model_config` (the model's dimensions,
+read from its HF ``config.json``), :mod:`~ckpt_tools.layout.boxes` (box geometry, segments),
 :mod:`~ckpt_tools.layout.topology` (Megatron and vLLM parallel topologies, chunk cutting) and
 :mod:`~ckpt_tools.layout.models` (the model layouts, ``MegatronLayout`` / ``VllmLayout``: a converter's table
 turned into segments). Everything is importable from ``ckpt_tools.layout``.
@@ -15,13 +16,38 @@ mapping table, turned into segments by :mod:`ckpt_tools.layout.models`.
 """
 from __future__ import annotations
 
-from .boxes import (Box, LayoutError, Segment, box_intersect, box_numel, box_shape, box_shift, box_slices,
-                    boxes_disjoint_cover, full_box, iter_boxes_in, numel)
+from .boxes import (
+    Box,
+    LayoutError,
+    Segment,
+    box_intersect,
+    box_numel,
+    box_shape,
+    box_shift,
+    box_slices,
+    boxes_disjoint_cover,
+    full_box,
+    iter_boxes_in,
+    numel,
+)
+from .model_config import ConfigError, ModelConfig, config_from_dict, load_config
 from .models import SPECS, MegatronLayout, TensorSpec, VllmLayout, hf_shapes
-from .topology import (Chunk, MegatronParallel, VllmParallel, chunk_holders, megatron_chunks, pad_vocab, split_range,
-                       vllm_expert_range, vllm_parallel, PLAN_FLAGS, RESHARD_FLAGS)
+from .topology import (
+    PLAN_FLAGS,
+    RESHARD_FLAGS,
+    Chunk,
+    MegatronParallel,
+    VllmParallel,
+    chunk_holders,
+    megatron_chunks,
+    pad_vocab,
+    split_range,
+    vllm_expert_range,
+    vllm_parallel,
+)
 
 __all__ = ["Box", "LayoutError", "Segment", "box_intersect", "box_numel", "box_shape", "box_shift", "box_slices",
            "boxes_disjoint_cover", "full_box", "iter_boxes_in", "numel", "SPECS", "MegatronLayout", "TensorSpec",
            "VllmLayout", "hf_shapes", "Chunk", "MegatronParallel", "VllmParallel", "chunk_holders", "megatron_chunks",
-           "pad_vocab", "split_range", "vllm_expert_range", "vllm_parallel", "PLAN_FLAGS", "RESHARD_FLAGS"]
+           "pad_vocab", "split_range", "vllm_expert_range", "vllm_parallel", "PLAN_FLAGS", "RESHARD_FLAGS",
+           "ConfigError", "ModelConfig", "config_from_dict", "load_config"]

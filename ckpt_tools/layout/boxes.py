@@ -2,11 +2,14 @@
 tensor equals a box of equal extent of another tensor (the coordinate model: :mod:`ckpt_tools.layout`)."""
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..errors import InputError
+import numpy as np
+
+from ..core.errors import InputError
 
 
 class LayoutError(InputError):
@@ -56,10 +59,6 @@ def boxes_disjoint_cover(boxes: Sequence[Box], shape: Sequence[int]) -> tuple[bo
 
     Exact, in time linear in the boxes: cut every dim at all box edges, count how often each grid cell is
     covered (every box covers whole cells), and require exactly one cover per cell."""
-    import bisect
-
-    import numpy as np
-
     shape = tuple(int(n) for n in shape)
     if not shape:
         return (len(boxes) == 1, f"{len(boxes)} chunks for a scalar")

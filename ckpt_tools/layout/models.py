@@ -8,11 +8,20 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import converters
-from .. import numbers
-from ..model_config import ModelConfig
+
+from ..core import numbers
 from .boxes import Segment, full_box
-from .topology import (Chunk, LayoutError, MegatronParallel, VllmParallel, megatron_chunks, pad_vocab, split_range,
-                       vllm_expert_range)
+from .model_config import ModelConfig
+from .topology import (
+    Chunk,
+    LayoutError,
+    MegatronParallel,
+    VllmParallel,
+    megatron_chunks,
+    pad_vocab,
+    split_range,
+    vllm_expert_range,
+)
 
 SPECS = ("te", "local", "mindspeed")  # loader specs: converters/*.py EXTRA_STATE / WEIGHT_NAMES
 
@@ -297,7 +306,7 @@ class VllmLayout:
         table = converters.get(cfg.model_type)
         self.cfg, self.par, self.names = cfg, par, names
         rename = names["rename"] if names else {}
-        self.hf_shapes = shapes = hf_shapes(cfg)
+        self.hf_shapes = hf_shapes(cfg)
         t = par.tp
         if cfg.heads % t:
             raise LayoutError(f"num_attention_heads ({cfg.heads}) is not divisible by --tp ({t})")

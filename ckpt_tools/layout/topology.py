@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .. import numbers
+from ..core import numbers
 from .boxes import Box, LayoutError, full_box
 
 

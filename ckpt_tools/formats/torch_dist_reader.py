@@ -1,0 +1,536 @@
+"""Reading any megatron-core ``torch_dist`` checkpoint directly (no model, no process group): the format is
+described in :mod:`ckpt_tools.formats.torch_dist` (the writer) and docs/format.md."""
+from __future__ import annotations
+
+import bisect
+import io
+import math
+import os
+import pickle
+import struct
+import threading
+from collections import OrderedDict, defaultdict
+
+import torch
+
+from ..copy.fileio import read_rec_box
+from ..copy.plan import EngineError, Rec
+from ..core.files import read_json
+from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
+from .safe_pickle import UnsafePickleError, load_metadata
+from .torch_dist import DistCkptError, dcp
+
+
+class TorchDistReader:
+    """Reads any megatron-core torch_dist checkpoint: ``.metadata`` with the allow-list unpickler
+    (:mod:`ckpt_tools.formats.safe_pickle`; torch's FileSystemReader would run any code in it), chunk
+    bytes by (file, offset, length). ``prefix`` is auto-detected (``model.`` in verl training checkpoints)."""
+
+    def __init__(self, path: str, prefix: str | None = None, cache_bytes: int = 1 << 30):
+        self.path = path
+        if not os.path.isdir(path):
+            raise DistCkptError(f"{path}: not a directory")
+        mj = os.path.join(path, "metadata.json")
+        if not os.path.isfile(mj):
+            raise DistCkptError(f"{path}: no metadata.json - not a megatron dist checkpoint")
+        backend = read_json(mj, DistCkptError).get("sharded_backend")
+        if backend != "torch_dist":
+            raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
+        m = dcp()
+        Metadata, TensorStorageMetadata = m.Metadata, m.TensorStorageMetadata
+        try:  # torch's FileSystemReader.read_metadata is a plain pickle.load: allow-list unpickler instead
+            md = load_metadata(os.path.join(path, ".metadata"))
+        except (FileNotFoundError, IsADirectoryError):
+            raise DistCkptError(f"{path}: no .metadata file") from None
+        except UnsafePickleError as e:
+            raise DistCkptError(str(e)) from None
+        except OSError:
+            raise  # I/O failure, not bad input (exit 3)
+        except Exception as e:  # noqa: BLE001 - unpickling a corrupted file raises anything
+            raise DistCkptError(f"{path}/.metadata: corrupted or unreadable ({type(e).__name__}: {e})") from None
+        if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+            raise DistCkptError(f"{path}/.metadata: not a torch DCP Metadata object")
+        self.md = md
+        self.tensors: dict[str, tuple] = {}
+        self.objects: set = set()
+        for k, v in md.state_dict_metadata.items():
+            if isinstance(v, TensorStorageMetadata):
+                self.tensors[k] = v
+            else:
+                self.objects.add(k)
+        self.storage = md.storage_data or {}
+        if prefix is None:
+            prefix = self._detect_prefix()
+        self.prefix = prefix
+        self._chunk_index = None
+        self._qindex: dict = {}
+        self._recs: dict = {}
+        self._classes: dict = {}
+        self._heads: dict = {}
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_bytes, self._cache_max = 0, cache_bytes
+        self._lock = threading.Lock()
+        missing_files = sorted({si.relative_path for si in self.storage.values()
+                                if not os.path.isfile(os.path.join(path, si.relative_path))})
+        if missing_files:
+            raise DistCkptError(f"{path}: missing data file {missing_files[0]}"
+                                + (f" (and {len(missing_files) - 1} more)" if len(missing_files) > 1 else ""))
+
+    def structure(self, limit: int = 20) -> list[tuple[str, bool]]:
+        """What megatron's loader needs besides the data, without reading the data: ``common.pt`` present and
+        loadable with ``weights_only=True``; every file at least as long as its records need; every tensor
+        chunk record's zip structure whole (:meth:`record_problem`: the header bytes those of its layout class,
+        whose exemplar torch's zip reader parses, and the central directory and end records after the data);
+        every ``_extra_state`` object record a readable torch.save zip (loaded with ``weights_only=True``;
+        identical payloads are loaded once). Returns (problem, affects the model weights) pairs, at most
+        ``limit``: ``common.pt`` and ``_extra_state`` records are not weights (a conversion, which writes its
+        own, warns about them; megatron's load fails on them all the same)."""
+        out = []
+        cp = os.path.join(self.path, "common.pt")
+        if not os.path.isfile(cp):
+            out.append(("missing common.pt (megatron's load_common fails without it)", False))
+        else:
+            try:
+                torch.load(cp, weights_only=True, map_location="cpu")
+            except Exception as e:  # noqa: BLE001 - a damaged file raises anything
+                out.append((f"common.pt: not loadable with weights_only=True ({type(e).__name__}: {str(e)[:120]})",
+                            False))
+        need = defaultdict(lambda: [0, 0])  # file -> [end of its tensor records, end of all its records]
+        for mi, si in self.storage.items():
+            n = need[si.relative_path]
+            n[1] = max(n[1], si.offset + si.length)
+            if mi.fqn in self.tensors:
+                n[0] = max(n[0], si.offset + si.length)
+        short, short_objects = set(), set()
+        for rel, (n_data, n_all) in sorted(need.items()):
+            fp = os.path.join(self.path, rel)
+            size = os.path.getsize(fp) if os.path.isfile(fp) else None
+            if size is None:
+                out.append((f"{rel}: missing", True))
+                short.add(rel)
+            elif size < n_data:
+                out.append((f"{rel}: truncated ({size} bytes, its records need {n_all})", True))
+                short.add(rel)
+            elif size < n_all:
+                out.append((f"{rel}: truncated ({size} bytes, its _extra_state records need {n_all})", False))
+                short_objects.add(rel)
+        for key in self.tensors:
+            for cbox, si in self.chunks(key):
+                if len(out) > limit:
+                    break
+                if si.relative_path in short:
+                    continue
+                try:
+                    rec = self.record(key, cbox, si)
+                    why = None if rec.slow else self.record_problem(rec, si)
+                    if why is not None:
+                        out.append((f"{si.relative_path}: chunk of {key} at byte {si.offset}: torch.save zip record: "
+                                    f"{why}", True))
+                    elif rec.slow and si.length <= self.ANALYSE_MAX:  # not our layout class: torch.load reads it
+                        self.load_chunk(key, cbox, si)
+                except DistCkptError as e:
+                    out.append((str(e), True))
+        seen: dict = {}
+        for mi, si in self.storage.items():
+            if len(out) > limit:
+                break
+            if mi.fqn not in self.objects or si.relative_path in short | short_objects:
+                continue
+            with open(os.path.join(self.path, si.relative_path), "rb") as f:
+                f.seek(si.offset)
+                raw = f.read(si.length)
+            verdict = seen.get(raw)
+            if verdict is None:
+                verdict = seen[raw] = _object_ok(raw)
+            if verdict is not True:
+                out.append((f"{si.relative_path}: _extra_state object {mi.fqn} at byte {si.offset}: {verdict}", False))
+        if len(out) > limit:
+            out = out[:limit] + [(f"... and more (first {limit} shown)", any(w for _, w in out[limit:]))]
+        return out
+
+    def record_problem(self, rec, si) -> str | None:
+        """None when the zip record of a fast-path chunk is whole: the bytes before the data are its layout
+        class's (:meth:`head_ok`) and every structural byte after it - the later entries' local headers, the
+        central directory, the zip64 and end-of-central-directory records - parses as torch's reader needs
+        (:func:`zip_problem`). Reads only the bytes around the data."""
+        if not self.head_ok(rec):
+            return "zip header differs from its layout class's"
+        data_off = rec.offset - si.offset
+        end = data_off + rec.nbytes
+        fp = os.path.join(self.path, si.relative_path)
+        with open(fp, "rb") as f:
+            head = os.pread(f.fileno(), data_off, si.offset)
+            tail = os.pread(f.fileno(), si.length - end, si.offset + end)
+        if len(head) != data_off or len(tail) != si.length - end:
+            return "truncated"
+
+        def read(off, n):
+            if off >= 0 and off + n <= data_off:
+                return head[off:off + n]
+            if off >= end and off + n <= si.length:
+                return tail[off - end:off - end + n]
+            raise _ZipDamage(f"a zip structure at record byte {off} overlaps the tensor data or the record's end")
+
+        return zip_problem(read, si.length, data_off, rec.nbytes)
+
+    def _detect_prefix(self) -> str:
+        cands = sorted((k[: -len("embedding.word_embeddings.weight")] for k in self.tensors
+                        if k.endswith("embedding.word_embeddings.weight")), key=len)
+        if not cands:
+            raise DistCkptError(f"{self.path}: no '*embedding.word_embeddings.weight' key - not a GPT model checkpoint")
+        return cands[0]
+
+    def model_keys(self) -> list[str]:
+        """Tensor keys under the model prefix (optimizer state and other entries are skipped)."""
+        p = self.prefix
+        return [k for k in self.tensors if k.startswith(p) and not k.startswith(p + "optimizer")]
+
+    def chunks(self, key: str) -> list[tuple[Box, object]]:
+        if self._chunk_index is None:
+            idx = defaultdict(list)
+            for mi, si in self.storage.items():
+                if mi.offset is not None and mi.fqn in self.tensors:
+                    idx[mi.fqn].append((tuple(mi.offset), si))
+            out = {}
+            for k, v in self.tensors.items():
+                sizes = {tuple(c.offsets): tuple(c.sizes) for c in v.chunks}
+                lst = []
+                for off, si in idx.get(k, ()):
+                    sz = sizes.get(off)
+                    if sz is None:
+                        raise DistCkptError(f"{self.path}: storage entry for {k} at {off} has no chunk metadata")
+                    lst.append((tuple((o, o + s) for o, s in zip(off, sz)), si))
+                if len(lst) != len(v.chunks):
+                    raise DistCkptError(f"{self.path}: {k} lists {len(v.chunks)} chunks but {len(lst)} have data")
+                out[k] = lst
+            self._chunk_index = out
+        return self._chunk_index[key]
+
+    def chunk_query(self, key: str, box: Box):
+        """Chunks of ``key`` overlapping ``box`` (indexed on the first two dims: layer, expert)."""
+        idx = self._qindex.get(key)
+        if idx is None:
+            idx = self._qindex[key] = _IntervalIndex(self.chunks(key), 0)
+        return idx.query(box)
+
+    def coverage(self, key: str) -> tuple[bool, str]:
+        """Every element of ``key`` stored exactly once (a gap would load as zeros in megatron)."""
+        return boxes_disjoint_cover([b for b, _ in self.chunks(key)], tuple(self.tensors[key].size))
+
+    def shape(self, key):
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key):
+        return self.tensors[key].properties.dtype
+
+    def load_chunk(self, key: str, box: Box, si) -> torch.Tensor:
+        ck = (key, box)
+        with self._lock:
+            t = self._cache.get(ck)
+            if t is not None:
+                self._cache.move_to_end(ck)
+                return t
+        fp = os.path.join(self.path, si.relative_path)
+        b = self._read_record(key, si)
+        try:
+            t = torch.load(io.BytesIO(b), weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise DistCkptError(f"{fp}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
+        if tuple(t.shape) != box_shape(box):
+            raise DistCkptError(f"{fp}: chunk of {key} has shape {tuple(t.shape)}, metadata says {box_shape(box)}")
+        nb = t.numel() * t.element_size()
+        with self._lock:
+            if nb <= self._cache_max:
+                self._cache[ck] = t
+                self._cache_bytes += nb
+                while self._cache_bytes > self._cache_max:
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_bytes -= old.numel() * old.element_size()
+        return t
+
+    def record(self, key: str, cbox: Box, si):
+        """The engine source :class:`~ckpt_tools.copy.plan.Rec` of one stored chunk: the raw data inside its
+        torch.save zip record. Records of one (length, shape, dtype) class are laid out alike; one exemplar
+        per class is parsed with torch's own zip reader and torch.load (data offset, contiguity, byte order),
+        and every record is checked against the exemplar's header bytes before its first read (a record
+        that differs is read with torch.load instead)."""
+        rk = (key, cbox)
+        rec = self._recs.get(rk)
+        if rec is None:
+            shp, dt = box_shape(cbox), self.dtype(key)
+            ck = (si.length, shp, dt)
+            cls = self._classes.get(ck)
+            if cls is None:
+                cls = self._classes[ck] = self._analyse(key, cbox, si, dt)
+            data_off, head = cls
+            rec = self._recs[rk] = Rec(os.path.join(self.path, si.relative_path), si.offset + data_off, shp, dt,
+                                       expect_head=head, span=(si.offset, si.length), slow=head is None,
+                                       what=f"chunk of {key} at {[b[0] for b in cbox]}")
+        return rec
+
+    ANALYSE_MAX = 64 << 20  # records larger than this are analysed without reading their data
+
+    def _analyse(self, key, cbox, si, dt):
+        """(data offset in the record, header bytes before it) or (0, None) when the record is not a plain
+        little-endian contiguous dump of the chunk. A record above ``ANALYSE_MAX`` bytes is parsed through a
+        window on the file: torch's zip reader reads only the headers and central directory, and torch.load
+        under ``torch.serialization.skip_data()`` builds the tensor without reading its storage (allocated,
+        never touched: resident memory stays small whatever the chunk size)."""
+        if si.length > self.ANALYSE_MAX:
+            return self._analyse_lazy(key, cbox, si, dt)
+        raw = self._read_record(key, si)
+        try:
+            zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
+            t = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != box_shape(cbox) or t.dtype != dt:
+            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} holds {getattr(t, 'shape', type(t))} "
+                                f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
+        names = zr.get_all_records()
+        data = [n for n in names if n.startswith("data/")]
+        nbytes = t.numel() * t.element_size()
+        if (len(data) != 1 or not t.is_contiguous() or t.storage_offset() != 0
+                or t.untyped_storage().nbytes() != nbytes
+                or ("byteorder" in names and bytes(zr.get_record("byteorder")) != b"little")):
+            return 0, None
+        off = zr.get_record_offset(data[0])
+        if raw[off:off + nbytes] != t.view(torch.uint8).reshape(-1).numpy().tobytes():
+            return 0, None
+        return off, bytes(raw[:off])
+
+    def _analyse_lazy(self, key, cbox, si, dt):
+        fp = os.path.join(self.path, si.relative_path)
+        if os.path.getsize(fp) < si.offset + si.length:
+            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
+        with open(fp, "rb") as f:
+            try:
+                zr = torch._C.PyTorchFileReader(_Window(f, si.offset, si.length))
+                names = zr.get_all_records()
+                data = [n for n in names if n.startswith("data/")]
+                with torch.serialization.skip_data():  # storage allocated, never read nor touched
+                    t = torch.load(_Window(f, si.offset, si.length), weights_only=True, map_location="cpu")
+                order = bytes(zr.get_record("byteorder")) if "byteorder" in names else b"little"
+                off = zr.get_record_offset(data[0]) if len(data) == 1 else None
+            except Exception as e:  # noqa: BLE001
+                raise DistCkptError(f"{fp}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != box_shape(cbox) or t.dtype != dt:
+                raise DistCkptError(f"{fp}: chunk of {key} holds {getattr(t, 'shape', type(t))} "
+                                    f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
+            nbytes = math.prod(t.shape) * dt.itemsize
+            if (off is None or not t.is_contiguous() or t.storage_offset() != 0 or order != b"little"
+                    or off + nbytes > si.length):
+                return 0, None
+            f.seek(si.offset)
+            return off, f.read(off)
+
+    def _read_record(self, key, si) -> bytes:
+        fp = os.path.join(self.path, si.relative_path)
+        with open(fp, "rb") as f:
+            f.seek(si.offset)
+            b = f.read(si.length)
+        if len(b) != si.length:
+            raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
+        return b
+
+    def read_box(self, key: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Assemble ``box`` of global tensor ``key`` from the chunks overlapping it. Each chunk's part is read
+        with preadv from its record (only the rows the box needs; memory follows the box, not the chunk);
+        a record whose header bytes differ from its class's exemplar is read with torch.load."""
+        out = torch.empty(box_shape(box), dtype=dtype or self.dtype(key))
+        covered = 0
+        origin = tuple(b[0] for b in box)
+        for cbox, si in self.chunk_query(key, box):
+            sub = box_intersect(cbox, box)
+            if sub is None:
+                continue
+            src = self.chunk_part(key, cbox, si, box_shift(sub, tuple(b[0] for b in cbox)))
+            out[box_slices(box_shift(sub, origin))].copy_(src)
+            covered += box_numel(sub)
+        if covered != box_numel(box):
+            raise DistCkptError(f"{self.path}: {key} box {box} is only {covered}/{box_numel(box)} covered by chunks")
+        return out
+
+    def chunk_part(self, key: str, cbox: Box, si, local: Box) -> torch.Tensor:
+        """``local`` (a box inside the chunk) of the stored chunk ``cbox`` of ``key``."""
+        rec = self.record(key, cbox, si)
+        if not rec.slow and self.head_ok(rec):
+            try:
+                return read_rec_box(rec, local)
+            except EngineError as e:
+                raise DistCkptError(str(e)) from None
+        return self.load_chunk(key, cbox, si)[box_slices(local)]
+
+    def head_ok(self, rec) -> bool:
+        """The bytes before ``rec``'s data are its class exemplar's (up to the data CRC field): checked once."""
+        ok = self._heads.get(id(rec))
+        if ok is None:
+            h = rec.expect_head
+            with open(rec.path, "rb") as f:
+                f.seek(rec.offset - len(h))
+                got = f.read(len(h))
+            ok = self._heads[id(rec)] = _mask_crc(got) == _mask_crc(h)
+        return ok
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start + length) of an open file (for torch's zip reader)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, off, whence=0):
+        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        got = os.preadv(self.f.fileno(), [memoryview(b)[:n]], self.start + self.pos) if n else 0
+        self.pos += got
+        return got
+
+
+def _object_ok(raw: bytes):
+    """True when ``raw`` is a readable torch.save zip (the payload unpickled with ``weights_only=True`` where
+    that allows it, else every zip record read back), else a short reason."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        return True
+    except pickle.UnpicklingError:
+        pass  # a payload weights_only refuses (e.g. Transformer Engine's BytesIO state): check the zip itself
+    except Exception as e:  # noqa: BLE001
+        return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
+    try:
+        zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
+        for n in zr.get_all_records():
+            zr.get_record(n)
+        return True
+    except Exception as e:  # noqa: BLE001
+        return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
+
+
+class _ZipDamage(Exception):
+    pass
+
+
+_LOCAL, _CENTRAL, _EOCD, _EOCD64, _LOC64 = 0x04034B50, 0x02014B50, 0x06054B50, 0x06064B50, 0x07064B50
+
+
+def zip_problem(read, length: int, data_off: int, nbytes: int) -> str | None:
+    """None when the zip structure of a ``torch.save`` record of ``length`` bytes is what torch's reader
+    needs, with its one tensor storage (``*/data/N``) stored at ``data_off`` for ``nbytes`` bytes; else a
+    short reason. ``read(offset, n)`` returns record bytes (and raises for bytes in the data).
+
+    torch's PyTorchStreamReader (miniz; torch/include/caffe2/serialize/inline_container.h: every entry stored
+    uncompressed, "we universally write in ZIP64 format", no archive comment) finds the end-of-central-directory
+    record at the end of the record, the zip64 end record through its locator, reads the central directory at
+    the offset those give and, for each entry, takes name, sizes and the local header offset from its central
+    entry and the data offset from the local header it points to (signature, name and extra lengths); the CRC
+    fields are not checked on load (torch/serialization.py, set_crc32_options). Each of those is checked here."""
+    try:
+        sig, _, _, _, n, cd_size, cd_off, comment = struct.unpack("<IHHHHIIH", read(length - 22, 22))
+        if sig != _EOCD or comment:
+            return "end-of-central-directory record damaged"
+        end = length - 22
+        lsig, _, z64, _ = struct.unpack("<IIQI", read(length - 42, 20)) if length >= 42 else (0, 0, 0, 0)
+        if lsig == _LOC64:
+            zsig, _, _, _, _, _, _, n, cd_size, cd_off = struct.unpack("<IQHHIIQQQQ", read(z64, 56))
+            if zsig != _EOCD64 or z64 + 56 > length - 42:
+                return "zip64 end-of-central-directory record damaged"
+            end = z64
+        elif 0xFFFF in (n,) or 0xFFFFFFFF in (cd_size, cd_off):
+            return "zip64 end-of-central-directory locator damaged"
+        if cd_off + cd_size > end:
+            return f"central directory ({cd_size} bytes at {cd_off}) runs past its end record at {end}"
+        cd = read(cd_off, cd_size)
+        pos, spans, data = 0, [], []
+        for _ in range(n):
+            (sig, _, _, _, method, _, _, _, csize, usize, nl, xl, cl, _, _, _, loff) = \
+                struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
+            name = cd[pos + 46:pos + 46 + nl]
+            extra = cd[pos + 46 + nl:pos + 46 + nl + xl]
+            pos += 46 + nl + xl + cl
+            if sig != _CENTRAL or pos > cd_size:
+                return "central directory damaged"
+            wide = [v == 0xFFFFFFFF for v in (usize, csize, loff)]
+            if any(wide):  # zip64 extended information extra field (id 1): the 64-bit values, in this order
+                x = 0
+                while x + 4 <= len(extra) and struct.unpack_from("<H", extra, x)[0] != 1:
+                    x += 4 + struct.unpack_from("<H", extra, x + 2)[0]
+                vals = iter(struct.unpack_from(f"<{sum(wide)}Q", extra, x + 4))
+                usize, csize, loff = (next(vals) if w else v for w, v in zip(wide, (usize, csize, loff)))
+            if method != 0 or csize != usize:
+                return f"central directory entry {name!r} is not stored uncompressed"
+            lsig, _, _, lmethod, _, _, _, _, _, lnl, lxl = struct.unpack("<IHHHHHIIIHH", read(loff, 30))
+            if lsig != _LOCAL or lmethod != method or read(loff + 30, lnl) != name:
+                return f"central directory entry {name!r} does not point at its local header (byte {loff})"
+            start = loff + 30 + lnl + lxl
+            if start + csize > cd_off:
+                return f"entry {name!r} runs into the central directory"
+            spans.append((loff, start + csize))
+            if name.partition(b"/")[2].startswith(b"data/"):
+                data.append((start, csize))
+        if pos != cd_size:
+            return f"central directory holds {pos} bytes of entries, its end record says {cd_size}"
+        spans.sort()
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return "zip entries overlap"
+        if data != [(data_off, nbytes)]:
+            return f"tensor storage entry at {data} in the central directory, expected [({data_off}, {nbytes})]"
+    except (_ZipDamage, struct.error) as e:
+        return f"zip structure damaged ({e})"
+    return None
+
+
+def _mask_crc(head: bytes) -> bytes:
+    """``head`` with the CRC-32 field of its last zip local header zeroed: torch.save with CRCs on (what
+    megatron writes) puts the data's CRC there, so records of one layout differ only in it."""
+    i = head.rfind(b"PK\x03\x04")
+    if i < 0 or i + 18 > len(head):
+        return head
+    return head[:i + 14] + b"\0\0\0\0" + head[i + 18:]
+
+
+class _IntervalIndex:
+    """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
+
+    def __init__(self, items, d: int, depth: int = 2):
+        self.d = d
+        ndim = len(items[0][0]) if items else 0
+        if d >= ndim or depth == 0:
+            self.leaf, self.items = True, items
+            return
+        self.leaf = False
+        buckets = defaultdict(list)
+        for it in items:
+            buckets[it[0][d]].append(it)
+        self.ivs = sorted(buckets)
+        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.ivs, self.ivs[1:]))
+        self.starts = [iv[0] for iv in self.ivs]
+        self.children = [_IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
+
+    def query(self, box):
+        if self.leaf:
+            return self.items
+        lo, hi = box[self.d]
+        if self.disjoint:
+            i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+            j = bisect.bisect_left(self.starts, hi)
+            rng = range(i, j)
+        else:
+            rng = range(len(self.ivs))
+        out = []
+        for k in rng:
+            a, b = self.ivs[k]
+            if a < hi and b > lo:
+                out.extend(self.children[k].query(box))
+        return out

@@ -1,0 +1,139 @@
+"""``--out`` checked before any work: a usable name, not an input, replaced only when it holds nothing we would not write."""
+from __future__ import annotations
+
+import os
+import re
+
+from ..core.errors import InputError
+from ..core.show import show
+from ..formats.hf import COPY_FILES
+from ..formats.torch_dist import SIDE_CAR
+from ..integrity import MANIFEST, ManifestError, load_manifest
+
+
+class OutError(InputError):
+    """Bad ``--out`` (exit 2)."""
+
+
+KIND_NAMES = {"mcore": "Megatron torch_dist", "hf": "HF safetensors", "vllm": "ckpt-tools vLLM shard"}
+
+
+def _is_kind(path: str, kind: str) -> bool:
+    names = set(os.listdir(path))
+    if kind == "mcore":  # megatron's own save, or ours (its sidecar)
+        return ("metadata.json" in names and ".metadata" in names) or SIDE_CAR in names
+    if kind == "hf":
+        return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    if kind == "vllm":
+        return "vllm_layout.json" in names
+    return False
+
+
+def _strip(out: str) -> str:
+    s = out.rstrip("/")
+    return s or out
+
+
+def _inside(a: str, b: str) -> bool:
+    """``a`` is ``b`` or below it (both realpaths)."""
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+
+
+def _check_name(out: str, error):
+    """A name the file system can hold, with the suffixes we add beside it (``.partial-PID.N``,
+    ``.conflict-PID.N``, ``.lock``): said as such, not as a missing parent."""
+    parent = os.path.dirname(os.path.abspath(out)) or "/"
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+        path_max = os.pathconf(parent, "PC_PATH_MAX")
+    except OSError:
+        name_max, path_max = 255, 4096
+    extra = len(f".conflict-{os.getpid()}.999")
+    raw = os.fsencode(out)
+    parts = raw.split(b"/")
+    long = [p for p in parts[:-1] if len(p) > name_max]
+    if long or len(parts[-1]) + extra > name_max:
+        n = len(long[0]) if long else len(parts[-1])
+        limit = name_max if long else name_max - extra
+        raise error(f"--out {show(out)}: name too long ({n} bytes in one path component; at most {limit}"
+                    + ("" if long else f": ckpt-tools adds up to {extra} bytes beside it, e.g. .partial-PID") + ")")
+    if max(len(raw), len(os.fsencode(os.path.abspath(out)))) + extra >= path_max:
+        raise error(f"--out {show(out)}: path too long ({len(raw)} bytes; at most {path_max - extra - 1} "
+                    f"with the suffixes ckpt-tools adds)")
+
+
+def check_out(out: str, kind: str, overwrite: bool, inputs: dict | None = None, error=OutError):
+    """Refuse a dangerous or unusable ``--out`` before any work (see the module docstring)."""
+    if out is None or not str(out).strip():
+        raise error("--out is empty: give the output directory")
+    out = _strip(out)
+    _check_name(out, error)
+    if os.path.islink(out):
+        raise error(f"--out {show(out)} is a symlink; give a real directory path (it is not followed)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise error(f"--out {show(out)} exists and is not a directory")
+    rout = os.path.realpath(out)
+    parent = os.path.dirname(rout)
+    if not os.path.isdir(parent):
+        raise error(f"--out {show(out)}: parent directory {show(parent)} does not exist")
+    if os.path.basename(os.path.abspath(out)) in (".", "..") or _inside(os.path.realpath(os.getcwd()), rout):
+        raise error(f"--out {show(out)} is the current directory or one above it; give a new directory")
+    for flag, p in (inputs or {}).items():
+        if not p:
+            continue
+        rin = os.path.realpath(p)
+        if os.path.isfile(rin):
+            rin = os.path.dirname(rin)  # e.g. --hf-config DIR/config.json: its directory is read
+        if rin == rout:
+            raise error(f"--out {show(out)} is the same directory as {flag} {show(p)}; refusing to write over an input")
+        if _inside(rin, rout):
+            raise error(f"--out {show(out)} contains {flag} {show(p)}; refusing (replacing it would delete the input)")
+        if _inside(rout, rin):
+            raise error(f"--out {show(out)} is inside {flag} {show(p)}; write the output outside the input directory")
+    if os.path.isdir(out):
+        if not overwrite:
+            raise error(f"--out {show(out)} exists; pass --overwrite to replace it")
+        _check_replaceable(out, kind, error)
+
+
+def _check_replaceable(out: str, kind: str, error=OutError):
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise error(f"--out {show(out)} is not a directory; refusing to replace it")
+    names = os.listdir(out)
+    if names and not _is_kind(out, kind):
+        raise error(f"--out {show(out)} exists and is not a {KIND_NAMES.get(kind, kind)} checkpoint (it holds "
+                    f"{show(sorted(names)[0])!r}, ...); --overwrite replaces only a checkpoint of the kind being written")
+    bad = foreign_files(out, kind)
+    if bad:
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise error(f"--out {show(out)} holds files ckpt-tools did not write: {', '.join(map(show, bad[:3]))}{more}; "
+                    f"--overwrite would delete them: move them out first")
+
+
+def _our_names(kind: str):
+    """The names ckpt-tools writes in a ``kind`` checkpoint, for a directory without our manifest
+    (megatron's own save, an HF download): a file matching none of them is not ours to delete."""
+    side = "|".join(map(re.escape, COPY_FILES))
+    return re.compile({"mcore": r"__\d+_\d+\.distcp|common\.pt|metadata\.json|\.metadata",
+                       "hf": rf"[^/]+\.safetensors|model\.safetensors\.index\.json|{side}",
+                       "vllm": rf"(?:dp_\d+/)?(?:[^/]+\.safetensors|{side})|vllm_layout\.json"}.get(kind, r"(?!)"))
+
+
+def foreign_files(out: str, kind: str) -> list[str]:
+    """Files under OUT that ckpt-tools would not have written there: not listed in OUT's manifest (when it
+    has a readable one), else not named like the files of a ``kind`` checkpoint."""
+    try:
+        man = load_manifest(out)
+    except ManifestError:
+        man = None
+    listed = set(man["files"]) if man else None
+    pat = _our_names(kind)
+    bad = []
+    for root, dirs, files in os.walk(out):
+        dirs.sort()
+        for fn in sorted(files) + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            rel = os.path.relpath(os.path.join(root, fn), out)
+            if rel in (MANIFEST, SIDE_CAR) or (rel in listed if listed is not None else pat.fullmatch(rel)):
+                continue
+            bad.append(rel)
+    return bad

@@ -1,0 +1,152 @@
+"""The sync's communication layer: the data group and its gloo control group (:func:`control_group_for`),
+small all-gathered summaries on the control group, and waits that time out (gloo and NCCL / HCCL works), plus
+:class:`SyncError`, the one-line error of every refused or failed sync. Used by :mod:`ckpt_tools.sync.transport`,
+:mod:`ckpt_tools.sync.verify` and ckpt_tools.integrations.verl.
+"""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .digest import digest
+
+
+class SyncError(RuntimeError):
+    """A weight sync was refused or failed; the message is one line and says what vLLM now holds."""
+
+
+SyncError.__module__ = "ckpt_tools.sync"  # its public name (what tracebacks and verl's logs print), re-exported there
+
+_SUMMARY_BYTES = 1024
+
+
+def _exchange_summaries(summary: dict, comm: "_Comm", timeout_s: float) -> list[dict]:
+    """all-gather of a small fixed-size JSON per rank on the control group, with a monitored wait."""
+    raw = json.dumps(summary).encode()[:_SUMMARY_BYTES]
+    t = torch.zeros(_SUMMARY_BYTES, dtype=torch.uint8)
+    t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    outs = [torch.zeros_like(t) for _ in range(comm.world)]
+    work = dist.all_gather(outs, t, group=comm.control, async_op=True)
+    try:
+        _wait(work, time.monotonic() + timeout_s, timeout_s)
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
+        raise SyncError(f"weight sync refused: checking the schedule with the other ranks failed within "
+                        f"{timeout_s:g} s ({_one_line(e)}); vLLM weights not modified") from None
+    res = []
+    for o in outs:
+        b = bytes(o.tolist()).rstrip(b"\0")
+        try:
+            res.append(json.loads(b.decode()))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            res.append({"fp": "?", "desc": "unreadable", "problem": "summary truncated"})
+    return res
+
+
+
+def _wait(work, deadline: float, timeout_s: float):
+    """Wait for a control-group (gloo) work at most until ``deadline``: gloo's ``Work.wait(timeout)`` honours the
+    timeout and raises on a timeout or a dead peer."""
+    left = max(0.001, deadline - time.monotonic())
+    if work.wait(timeout=timedelta(seconds=left)) is False:
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+
+
+def _wait_data(work, deadline: float, timeout_s: float, gloo: bool):
+    """Wait for a data-group work at most until ``deadline``. gloo: as :func:`_wait`. NCCL / HCCL: their
+    ``Work.wait(timeout)`` does not bound the host wait (torch_npu's WorkHCCL ignores it; NCCL's only with
+    TORCH_NCCL_BLOCKING_WAIT), so the host polls ``is_completed()`` (a query of the work's device event) until the
+    deadline, then ``wait()`` orders the current stream after it."""
+    if gloo:
+        return _wait(work, deadline, timeout_s)
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {timeout_s:g} s")
+        time.sleep(0.0005)
+    work.wait()
+
+
+# Transfers of a failed step that were posted and never completed: their buffers stay referenced here until the
+# process ends (a SyncError abandons the job). torch_npu's batch_isend_irecv keeps only the first tensor of a batch
+# alive (torch_npu 2.7.1 ProcessGroupHCCL); a buffer freed while the device still reads or writes it corrupts
+# whatever reuses that memory.
+ABANDONED: list = []
+
+
+def _rank_of() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device_of(model, default="cpu"):
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device(default)
+
+
+def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """:func:`ckpt_tools.sync.digest.digest` for the sync: a failure inside it (a device error, memory) is a one-line
+    SyncError naming the rank and the tensor, like every other failure of a step."""
+    try:
+        return digest(t, dtype)
+    except Exception as e:  # noqa: BLE001
+        raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of a {tuple(t.shape)} {t.dtype} "
+                        f"tensor on {t.device} failed ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    s = " ".join(str(e).split())
+    return (s[:300] + "...") if len(s) > 300 else s
+
+
+
+class _Comm(NamedTuple):
+    data: object      # the group carrying device tensors (None = default group)
+    control: object   # a gloo group over the same ranks: summaries, digests, monitored waits
+    rank: int
+    world: int
+    peer: object      # group rank -> global rank (for P2P ops on the data group)
+    data_gloo: bool
+
+
+_CONTROL_GROUPS: dict = {}
+
+
+def control_group_for(group=None):
+    """A gloo group over the same ranks as ``group`` (None: the default group), for the sync's control messages
+    and monitored waits; ``group`` itself when it is gloo already. Made once per group and cached: the first call
+    is collective (``dist.new_group``: every rank of the default group calls it at the same point)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    key = "default" if group is None else id(group)
+    if key not in _CONTROL_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _CONTROL_GROUPS[key]
+
+
+def _comm(group, control_group) -> _Comm:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    backend = str(dist.get_backend(group))
+    gloo = backend == "gloo"
+    if control_group is None:
+        if not gloo:
+            raise SyncError(f"weight sync refused: the data group's backend is {backend}, which cannot carry the "
+                            f"sync's small CPU control messages; pass control_group=ckpt_tools.sync."
+                            f"control_group_for(group) (a gloo group over the same ranks); vLLM weights not modified")
+        control_group = group
+    elif control_group is not group:
+        if str(dist.get_backend(control_group)) != "gloo":
+            raise SyncError("weight sync refused: control_group must be a gloo group; vLLM weights not modified")
+        cranks = [r if control_group is None else dist.get_global_rank(control_group, r)
+                  for r in range(dist.get_world_size(control_group))]
+        if cranks != [peer(r) for r in range(world)]:
+            raise SyncError(f"weight sync refused: control_group spans global ranks {cranks[:8]}, the data group "
+                            f"{[peer(r) for r in range(min(world, 8))]}; vLLM weights not modified")
+    return _Comm(group, control_group, rank, world, peer, gloo)
+

@@ -1,0 +1,599 @@
+"""The sync's transport: :func:`sync_weights` pushes a live Megatron actor's weights into vLLM along a
+:class:`~ckpt_tools.sync.schedule.SyncSchedule`, over ``torch.distributed`` point-to-point ops on the data group
+(gloo / NCCL / HCCL), after a preflight on the control group that refuses a mismatched topology or model before any
+byte moves (:mod:`ckpt_tools.sync.comm`), and proves the result when asked (:mod:`ckpt_tools.sync.verify`).
+:func:`local_chunks` reads the actor's tensors from its own ``sharded_state_dict()``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from ..core import numbers
+from ..layout import box_numel, box_shape, box_slices
+from . import apply as sync_apply
+from . import delta as sync_delta
+from . import live as vllm_live
+from .comm import ABANDONED, SyncError, _comm, _device_of, _exchange_summaries, _one_line, _rank_of, _wait_data
+from .comm import checked_digest as digest
+from .delta import DENSE
+from .schedule import SyncSchedule
+from .verify import _all_to_all, _flat, _verify, _views
+
+logger = logging.getLogger("ckpt_tools.sync")
+
+
+def local_chunks(megatron_model) -> dict:
+    """(key, global box) -> this rank's local tensor, from the live model chunk(s)' own
+    ``sharded_state_dict()`` (megatron/core/dist_checkpointing/layout/models.py ShardedTensor: ``data`` is the
+    local tensor, ``global_offset`` its place in the global tensor, ``prepend_axis_num`` leading point axes
+    (layer, expert)); SwiGLU ``linear_fc1`` comes as a ShardedTensorFactory that megatron's own
+    ``apply_factories`` turns into its two chunks (megatron/core/transformer/mlp.py
+    apply_swiglu_sharded_factory: ``torch.chunk`` views, no copy)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    models = megatron_model if isinstance(megatron_model, (list, tuple)) else [megatron_model]
+    out = {}
+    for m in models:
+        sd = _unwrap(m).sharded_state_dict()
+        apply_factories(sd)
+        for v in nested_values(sd):
+            if not isinstance(v, ShardedTensor) or v.data is None or v.flattened_range is not None:
+                continue
+            n = v.prepend_axis_num
+            offs = tuple(v.global_offset)
+            box = tuple((o, o + 1) for o in offs[:n]) + tuple((o, o + s) for o, s in zip(offs[n:], v.data.shape))
+            out[(v.key, box)] = v.data
+    return out
+
+
+
+def _unwrap(m):
+    """The model chunk under verl's / megatron's wrappers (megatron DDP, Float16Module, torch DDP): their
+    ``sharded_state_dict()`` prefixes keys with ``module.`` (verl/utils/megatron_utils.py unwrap_model does the
+    same before reading weights)."""
+    wrappers = [torch.nn.parallel.DistributedDataParallel]
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.transformer.module import Float16Module
+
+        wrappers += [DistributedDataParallel, Float16Module]
+    except ImportError:
+        pass
+    while isinstance(m, tuple(wrappers)):
+        m = m.module
+    return m
+
+
+def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=()):
+    """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
+    chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
+    fingerprints and problems (one monitored all-gather on the control group). Re-attaches expert
+    ``weight_loader``s a vLLM build dropped (see ckpt_tools.sync.live)."""
+    problem, chunks, live = "", {}, None
+    rank = comm.rank
+    if comm.world < schedule.world:
+        problem = f"the group has {comm.world} ranks, the schedule needs {schedule.world}"
+    is_actor, is_roll = rank in schedule.actor_ranks, rank in schedule.rollout_ranks
+    if not problem and is_actor:
+        if megatron_model is None:
+            problem = f"rank {rank} is an actor rank but got no Megatron model"
+        else:
+            chunks = local_chunks(megatron_model)
+            for key, box in need_chunks:
+                t = chunks.get((key, box))
+                if t is None:
+                    same = sorted(b for k, b in chunks if k == key)
+                    problem = (f"the Megatron model on rank {rank} has no chunk {key} {list(box)}"
+                               + (f" (it holds {[list(b) for b in same[:2]]})" if same else " (no such key)")
+                               + "; model or topology differs from the schedule")
+                    break
+    if not problem and is_roll:
+        local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
+        if vllm_model is None:
+            problem = f"rank {rank} is a rollout rank but got no vLLM model"
+        else:
+            problem = vllm_live.problems(vllm_model, schedule.cfg, schedule.vpar, local)
+            if not problem:
+                vllm_live.reattach_weight_loaders(vllm_model)
+            if not problem and verify:
+                live = vllm_live.LiveParams(vllm_model)
+                missing = [n for n in schedule.vlayout.ranks[local] if live.get(n) is None]
+                if missing:
+                    problem = (f"the vLLM model on rank {rank} has no parameter {missing[0]} (nor its "
+                               f"{len(missing) - 1} other planned ones); vLLM version names differ")
+    mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500],
+            "opts": list(opts)}
+    alls = _exchange_summaries(mine, comm, timeout_s)
+    for r, s in enumerate(alls):
+        if s.get("opts") != mine["opts"]:
+            names = ("verify", "direct", "delta")
+            raise SyncError(f"weight sync refused before any transfer: rank {r} was called with "
+                            f"{dict(zip(names, s.get('opts') or []))}, rank {rank} with {dict(zip(names, opts))} "
+                            f"(every rank must pass the same switches); vLLM weights not modified")
+    for r, s in enumerate(alls):
+        if s.get("problem"):
+            raise SyncError(f"weight sync refused before any transfer: rank {r}: {s['problem']}; vLLM weights not modified")
+    for r, s in enumerate(alls):
+        if s.get("fp") != mine["fp"]:
+            raise SyncError(f"weight sync refused before any transfer: rank {r} planned '{s.get('desc')}' "
+                            f"(fingerprint {s.get('fp')}) but rank {rank} planned '{mine['desc']}' "
+                            f"(fingerprint {mine['fp']}); vLLM weights not modified")
+    return chunks, live
+
+
+class SyncState:
+    """What one process keeps between steps of one schedule: the direct-apply map's validity and fallback set
+    (receiver), the shadows of what it last sent (sender, delta)."""
+
+    def __init__(self):
+        self.map_sig = None          # params_sig when the direct map was learned (None: not learned)
+        self.fallback: dict = {}     # this rank's parameters that go through load_weights -> why
+        self.fallback_hf = frozenset()
+        self.sinks: dict = {}        # (bucket, sender) -> [Sink] of the current map
+        self.patch_plans: dict = {}  # (bucket, sender) -> sync_delta.PatchPlan of those sinks (made on first use)
+        self.shadow: dict = {}       # (bucket, receiver) -> what was last sent (host or device)
+        self.shadow_digest: dict = {}
+        self.steps = 0
+
+
+def state_of(schedule) -> SyncState:
+    return schedule.__dict__.setdefault("_sync_state", SyncState())
+
+
+def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None, timeout_s: float = 300.0, *,
+                 control_group=None, verify: bool = True, fill_value: float | None = None, direct: bool = True,
+                 delta: bool = False, shadow: str = "host") -> dict:
+    """Push the actor's live weights into vLLM. Every rank of ``group`` calls this with its own models
+    (``megatron_model``: a GPTModel or list of model chunks on actor ranks, wrapped or not - megatron DDP /
+    Float16Module are unwrapped; else None; ``vllm_model``: the vLLM model object on rollout ranks, else None),
+    with the same ``verify`` / ``direct`` / ``delta`` (refused before any byte otherwise). Runs under
+    ``torch.no_grad()``.
+
+    Groups: ``group`` (None = the default group) carries the data: device tensors only (NCCL, HCCL or gloo).
+    ``control_group`` carries every small message and every wait that must time out; it must be gloo and span
+    the same ranks (:func:`control_group_for`); it may be omitted when ``group`` is gloo itself.
+
+    Steps: (1) refuse before any transfer if any rank's schedule fingerprint or switches differ or its model does
+    not hold what the schedule expects (one-line :class:`SyncError` on every rank); (2) bucket by bucket, each
+    rank posts one send per receiver (its pieces, cast to ``schedule.dtype``, concatenated) and one receive per
+    sender with ``torch.distributed.batch_isend_irecv`` and waits at most ``timeout_s`` for them. What the
+    receiver does with a message: on a step that learns the direct-apply map (the first with ``direct``, or the
+    parameters were re-created; always without ``direct``) it builds full-shape HF tensors of the bucket (only
+    the regions its vLLM loader reads are written; the rest is ``torch.empty``, or ``fill_value`` for tests) and
+    hands them to ``vllm_model.load_weights`` (learning where the loader puts each region:
+    :mod:`ckpt_tools.sync.apply`); on later steps each message is written straight into views of the live
+    parameters (received in place when it fills one contiguous view), except the HF tensors of parameters whose
+    loader is not a plain copy (``fallback_params``), which still go through ``load_weights``. With ``delta``
+    (and ``direct``) a sender keeps a shadow of each message it sent (``shadow`` = ``"host"``: CPU memory, moved
+    to the device per bucket; ``"device"``: the send device's memory) and sends only the elements that changed
+    (:mod:`ckpt_tools.sync.delta`), after the receiver proved its base equal to that shadow (digests at the step's
+    start); a message whose base differs goes full in the same step. (3) with ``verify``: every sender digests
+    each message's full new values, the receivers digest the parameter regions those pieces were meant to fill,
+    after the last bucket (:mod:`ckpt_tools.sync.verify`): a delta step is proven equal to a full one; a
+    difference is a SyncError naming rank, vLLM parameter, region, HF tensor and region, on every rank.
+
+    Returns this rank's counters: ``recv_bytes`` (its shard, self copies included), ``recv_net_bytes``,
+    ``sent_bytes`` (payload + headers on the wire), ``sent_full_bytes`` (what a full sync sends), ``local_bytes``,
+    ``messages_sent``, ``messages_received``, ``messages_delta``, ``messages_full``, ``messages_rebased`` (a
+    delta was possible but the receiver's base differed: sent full), ``changed_elements`` / ``delta_elements``
+    (elements that changed / were compared), ``buckets``, ``tensors_delivered``, ``verified_pieces``,
+    ``unproven_pieces`` (fallback parameters' pieces: transfer proven, installation done by vLLM's loader),
+    ``direct`` (this step replayed the map), ``map_learned``, ``fallback_params``, ``encode_seconds``,
+    ``transfer_seconds``, ``apply_seconds``, ``verify_seconds``, ``seconds``, ``scratch_bytes`` (reused flat buffers,
+    one message at most per device; freed on devices at the step's end), ``job``: the sums over all ranks."""
+    timeout_s = numbers.check(timeout_s, numbers.TIMEOUT, "timeout_s", SyncError)
+    if shadow not in ("host", "device"):
+        raise SyncError(f"shadow must be 'host' or 'device' (got {shadow!r})")
+    with torch.no_grad():
+        try:
+            return _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
+                         direct, delta and direct, shadow).run()
+        except SyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a digest, an allocation, a device error: one line like every other
+            raise SyncError(f"weight sync failed on rank {_rank_of()}: {type(e).__name__}: {_one_line(e)}; "
+                            f"vLLM weights may be partially updated") from None
+        finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults)
+            scratch = getattr(schedule, "__dict__", {}).get("_scratch", {})
+            for dev in [d for d in scratch if d != "cpu"]:
+                del scratch[dev]
+
+
+_COUNTERS = ("recv_bytes", "recv_net_bytes", "sent_bytes", "sent_full_bytes", "local_bytes", "messages_sent",
+             "messages_received", "messages_delta", "messages_full", "messages_rebased", "changed_elements",
+             "delta_elements", "buckets", "tensors_delivered", "verified_pieces", "unproven_pieces")
+_TIMES = ("encode_seconds", "transfer_seconds", "apply_seconds", "verify_seconds")
+
+
+class _Step:
+    """One call of :func:`sync_weights` on this rank."""
+
+    def __init__(self, schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
+                 direct, delta, shadow):
+        self.s, self.mm, self.vm = schedule, megatron_model, vllm_model
+        self.timeout_s, self.verify, self.fill_value = timeout_s, verify, fill_value
+        self.direct, self.delta, self.shadow_host = direct, delta, shadow == "host"
+        self.comm = _comm(group, control_group)
+        self.rank = self.comm.rank
+        self.st = state_of(schedule)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def src_view(self, p):
+        t = self.chunks[(p.key, p.chunk_box)]
+        sl = p.src_slice[len(p.chunk_box) - t.dim():]
+        return t[box_slices(sl)]
+
+    def fail(self, b, why):
+        d, m = self.cnt["tensors_delivered"], self.cnt["tensors_total"]
+        state = (f"vLLM weights partially updated: {d} of {m} tensors" if d else
+                 f"vLLM weights not modified (0 of {m} tensors)") if m else "this rank holds no vLLM weights"
+        return SyncError(f"weight sync failed in bucket {b + 1}/{len(self.s.buckets)} on rank {self.rank}: {why}; "
+                         f"{state}")
+
+    def _timed(self, key, t0):
+        self.cnt[key] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------ the step
+    def run(self) -> dict:
+        s, rank = self.s, self.rank
+        t0 = time.perf_counter()
+        need = {(p.key, p.chunk_box) for p in s.pieces if p.src == rank}
+        self.chunks, self.live = _preflight(s, self.comm, self.mm, self.vm, self.timeout_s, need,
+                                            self.verify or self.direct,
+                                            [bool(self.verify), bool(self.direct), bool(self.delta)])
+        self.rdev = _device_of(self.vm)
+        self.local = (s.rollout_ranks.index(rank) % s.vpar.world) if rank in s.rollout_ranks else None
+        total = len(s.needs_local[self.local]) if self.local is not None else 0
+        self.cnt = dict.fromkeys(_COUNTERS, 0)
+        self.cnt.update(dict.fromkeys(_TIMES, 0.0), tensors_total=total, direct=False, map_learned=False, no_direct="",
+                        fallback_params=[])
+        self.sent_digests = defaultdict(list)  # receiver -> [(bucket, digest)] of the messages sent to it
+        self.scratch = s.__dict__.setdefault("_scratch", {})  # reused flat buffers (see _flat)
+        self._plan_receiving()
+        flags = self._exchange_bases() if self.delta else {}
+        for b, pieces in enumerate(s.pieces_by_bucket):
+            self._bucket(b, pieces, flags)
+        if self.recorder is not None:
+            self._learned()
+        fallback = self._exchange_fallback() if self.verify and self.direct else {}
+        if self.verify:
+            tv = time.perf_counter()
+            self._redigest_fallback(fallback)
+            self.cnt["verified_pieces"] = _verify(s, self.comm, self.live, self.sent_digests, self.src_view,
+                                                  self.timeout_s, self.scratch, fallback)
+            self.cnt["unproven_pieces"] = sum(1 for _, _, ps in s.messages_to(rank) for p in ps
+                                              if p.hf in fallback.get(rank, ()))
+            self._timed("verify_seconds", tv)
+        self.st.steps += 1
+        self.cnt["fallback_params"] = sorted(self.st.fallback)
+        self.cnt["fallback_reasons"] = dict(sorted(self.st.fallback.items()))
+        self.cnt["scratch_bytes"] = sum(t.numel() * t.element_size() for t in self.scratch.values())
+        self.cnt["seconds"] = time.perf_counter() - t0
+        self.cnt["job"] = self._report()
+        return self.cnt
+
+    def _plan_receiving(self):
+        """Replay (the map holds for these parameters) or learn (full HF tensors + load_weights, recorded)."""
+        st, s = self.st, self.s
+        self.replay, self.recorder, self.sig = False, None, None
+        if self.local is None or not self.direct or self.live is None:
+            return
+        names = list(s.vlayout.ranks[self.local])
+        self.sig = sync_apply.params_sig(self.live, names)
+        if st.map_sig is not None and st.map_sig == self.sig:
+            self.replay = True
+            self.cnt["direct"] = True
+            return
+        st.map_sig, st.sinks, st.fallback, st.fallback_hf, st.patch_plans = None, {}, {}, frozenset(), {}
+        self.recorder = sync_apply.LoaderRecorder({n: self.live.get(n) for n in names if self.live.get(n) is not None})
+
+    def _learned(self):
+        """After a learning step: which parameters are plain copies exactly as the layout says (replayed from now
+        on) and which fall back to load_weights; the message sinks of the map."""
+        s, st, live = self.s, self.st, self.live
+        names = list(s.vlayout.ranks[self.local])
+        after = sync_apply.params_sig(live, names)
+        st.fallback, mismatch = sync_apply.classify(self.recorder, s.vlayout.ranks[self.local], live, self.sig, after)
+        if mismatch:  # vLLM's loader places something elsewhere than the layout: never replay that
+            name, why = next(iter(sorted(mismatch.items())))
+            logger.warning("ckpt_tools sync: rank %d: no direct apply: vLLM's loader puts %d parameter(s) elsewhere "
+                           "than the layout (first: %s: %s)", self.rank, len(mismatch), name, why)
+            st.fallback, self.cnt["no_direct"] = {}, f"{name}: {why}"
+            return
+        st.fallback_hf = frozenset(seg.hf for n in st.fallback for seg in s.vlayout.ranks[self.local][n].segments)
+        try:
+            views = _views(s, live, self.local, self.rank)
+        except SyncError as e:  # the live parameters are not in the checkpoint layout: nothing to replay
+            logger.warning("ckpt_tools sync: rank %d: no direct apply (%s)", self.rank, e)
+            return
+        st.sinks = {(b, src): sync_apply.message_sinks(ps, views.pieces, st.fallback_hf, live)
+                    for b, src, ps in s.messages_to(self.rank)}
+        st.map_sig = after
+        self.cnt["map_learned"] = True
+        if st.fallback:
+            name, why = next(iter(sorted(st.fallback.items())))
+            logger.warning("ckpt_tools sync: rank %d: %d vLLM parameter(s) keep going through load_weights (not a "
+                           "plain copy; first: %s: %s)", self.rank, len(st.fallback), name, why)
+
+    def _exchange_bases(self) -> dict:
+        """Delta: every receiver proves, per message it gets over the network, whether its live regions can be
+        the base of a delta (the map is replayed, no fallback piece) and their digest; the senders get both.
+        Returns (bucket, receiver) -> (ok, digest) on senders."""
+        s, rank, world, st = self.s, self.rank, self.comm.world, self.st
+        te = time.perf_counter()
+        parts = [[] for _ in range(world)]
+        for b, src, ps in s.messages_to(rank):
+            if src == rank:
+                continue
+            ok = self.replay and (b, src) in self._delta_ok()
+            if ok:
+                views = [k.views[0] for k in st.sinks[(b, src)]]
+                d = digest(views[0] if len(views) == 1 else _flat(views, s.dtype, self.scratch), s.dtype).cpu()
+            else:
+                d = torch.zeros((), dtype=torch.int64)
+            parts[src] += [torch.tensor(int(ok)), d]
+        mine = {d: [b for b, src, _ in s.messages_to(d) if src == rank] for d in range(world) if d != rank}
+        recv_split = [2 * len(mine.get(d, ())) for d in range(world)]
+        got = _all_to_all(self.comm, parts, recv_split, self.timeout_s, "delta bases")().tolist()
+        out, o = {}, 0
+        for d in range(world):
+            for b in mine.get(d, ()):
+                out[(b, d)] = (bool(got[o]), got[o + 1])
+                o += 2
+        self._timed("encode_seconds", te)
+        return out
+
+    def _bucket(self, b, pieces, flags):
+        s, rank, comm, cnt, st = self.s, self.rank, self.comm, self.cnt, self.st
+        dtype = s.dtype
+        sends, recvs, selfs = defaultdict(list), defaultdict(list), []
+        for p in pieces:
+            if p.src == rank and p.dst == rank:
+                selfs.append(p)
+            elif p.src == rank:
+                sends[p.dst].append(p)
+            elif p.dst == rank:
+                recvs[p.src].append(p)
+        if not (sends or recvs or selfs):
+            return
+        cnt["buckets"] += 1
+        # -- sender: the new values of each message, and (delta) what goes on the wire
+        te = time.perf_counter()
+        news, payloads, headers = {}, {}, {}
+        for dst, ps in sends.items():
+            new = news[dst] = torch.cat([self.src_view(p).reshape(-1).to(dtype) for p in ps])
+            n, e = new.numel(), new.element_size()
+            cnt["sent_full_bytes"] += n * e
+            payloads[dst] = new
+            if (b, dst) not in flags:
+                continue
+            ok, base = flags[(b, dst)]
+            if not ok:  # the receiver has no proven base (learning its map, a fallback piece): full, no header
+                cnt["messages_full"] += 1
+                continue
+            mode, k = DENSE, n
+            old = st.shadow.get((b, dst))
+            if old is not None and st.shadow_digest.get((b, dst)) == base:
+                idx = sync_delta.changed(new, old.to(new.device, non_blocking=True))
+                k = idx.numel()
+                mode = sync_delta.choose(n, k, e)
+                if mode != DENSE:
+                    payloads[dst] = sync_delta.encode(new, idx, mode)
+                cnt["changed_elements"] += k
+                cnt["delta_elements"] += n
+                cnt["messages_delta" if mode != DENSE else "messages_full"] += 1
+            else:
+                cnt["messages_rebased" if old is not None else "messages_full"] += 1
+            headers[dst] = torch.tensor([mode, k], dtype=torch.int64, device=new.device)
+        self._timed("encode_seconds", te)
+        # -- receiver: headers of the messages it proved a base for
+        hrecv = {}
+        if self.delta:
+            hops = []
+            for dst, h in headers.items():
+                hops.append(dist.P2POp(dist.isend, h, comm.peer(dst), comm.data, tag=b))
+            for src in recvs:
+                if self.replay and (b, src) in self._delta_ok():
+                    hrecv[src] = torch.empty(2, dtype=torch.int64, device=self.rdev)
+                    hops.append(dist.P2POp(dist.irecv, hrecv[src], comm.peer(src), comm.data, tag=b))
+            self._wait_all(b, hops, sends, recvs)
+            hrecv = {src: tuple(h.tolist()) for src, h in hrecv.items()}
+        # -- the transfers
+        ops, rbufs = [], {}
+        for dst, buf in payloads.items():
+            ops.append(dist.P2POp(dist.isend, buf, comm.peer(dst), comm.data, tag=b))
+            cnt["sent_bytes"] += buf.numel() * buf.element_size() + (sync_delta.HEADER_BYTES if dst in headers else 0)
+            cnt["messages_sent"] += 1
+        for src, ps in recvs.items():
+            n = sum(box_numel(p.hf_box) for p in ps)
+            mode, k = hrecv.get(src, (DENSE, n))
+            if mode != DENSE:
+                rbufs[src] = torch.empty(sync_delta.payload_bytes(mode, n, k, s.elem), dtype=torch.uint8,
+                                         device=self.rdev)
+            else:
+                inplace = sync_apply.single_view(st.sinks[(b, src)]) if self.replay else None
+                rbufs[src] = inplace if inplace is not None and inplace.dtype == dtype else \
+                    torch.empty(n, dtype=dtype, device=self.rdev)
+            ops.append(dist.P2POp(dist.irecv, rbufs[src], comm.peer(src), comm.data, tag=b))
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as e:  # noqa: BLE001
+            raise self.fail(b, f"posting transfers failed ({_one_line(e)})") from None
+        try:  # a failure while they run (a digest, memory): the posted buffers stay referenced (see comm.ABANDONED)
+            # while they run: the full-shape HF tensors this bucket needs, the self copies, the digests of what is sent
+            full = self._full_tensors(selfs + [p for ps in recvs.values() for p in ps])
+            ta = time.perf_counter()
+            self._self_copies(b, selfs, full)
+            self._timed("apply_seconds", ta)
+            tv = time.perf_counter()
+            for dst, new in news.items():
+                d = digest(new) if (self.verify or self.delta) else None
+                if self.verify:
+                    self.sent_digests[dst].append((b, d))
+                if self.delta:
+                    st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
+                    st.shadow_digest[(b, dst)] = int(d)
+            if self.verify and selfs:
+                mine = _flat([self.src_view(p) for p in selfs], dtype, self.scratch)
+                self.sent_digests[rank].append((b, digest(mine)))
+            self._timed("verify_seconds", tv)
+            tt = time.perf_counter()
+            self._wait_all(b, works, sends, recvs)
+            self._timed("transfer_seconds", tt)
+        except BaseException as e:
+            ABANDONED.append((works, ops, payloads, rbufs))
+            if isinstance(e, SyncError) or not isinstance(e, Exception):
+                raise
+            raise self.fail(b, f"{type(e).__name__}: {_one_line(e)}") from None
+        ta = time.perf_counter()
+        for src, ps in recvs.items():
+            buf = rbufs[src]
+            n = sum(box_numel(p.hf_box) for p in ps)
+            mode, k = hrecv.get(src, (DENSE, n))
+            if not self.replay:
+                off = 0
+                for p in ps:
+                    m = box_numel(p.hf_box)
+                    full[p.hf][box_slices(p.hf_box)].copy_(buf[off:off + m].view(box_shape(p.hf_box)))
+                    off += m
+            elif mode == DENSE:
+                sync_apply.apply_dense(st.sinks[(b, src)], buf, full)
+            else:
+                idx, vals = sync_delta.decode(buf, mode, n, k, dtype)
+                plan = st.patch_plans.get((b, src))
+                if plan is None:
+                    plan = st.patch_plans[(b, src)] = sync_delta.PatchPlan(st.sinks[(b, src)], self.rdev)
+                sync_delta.patch(plan, idx, vals)
+            cnt["messages_received"] += 1
+            cnt["recv_net_bytes"] += n * s.elem
+        del rbufs, ops, works, payloads, news
+        if full:
+            self._load(b, full)
+        mine = {p.hf for p in pieces if p.dst == rank}
+        if mine:
+            cnt["tensors_delivered"] += len(mine)
+            cnt["recv_bytes"] += sum(box_numel(p.hf_box) for p in pieces if p.dst == rank) * s.elem
+        self._timed("apply_seconds", ta)
+
+    def _delta_ok(self) -> set:
+        """(bucket, sender) of the messages this receiver offered as a delta base (see _exchange_bases)."""
+        got = self.__dict__.get("_ok")
+        if got is None:
+            got = self._ok = {k for k, sinks in self.st.sinks.items() if all(x.hf is None for x in sinks)
+                              and k[1] != self.rank}
+        return got
+
+    def _wait_all(self, b, works, sends, recvs):
+        if works and not hasattr(works[0], "wait"):  # P2POp list (headers): post them first
+            try:
+                works = dist.batch_isend_irecv(works)
+            except Exception as e:  # noqa: BLE001
+                raise self.fail(b, f"posting transfers failed ({_one_line(e)})") from None
+        deadline = time.monotonic() + self.timeout_s
+        for w in works:
+            try:
+                _wait_data(w, deadline, self.timeout_s, self.comm.data_gloo)
+            except Exception as e:  # noqa: BLE001 - a dead or stalled peer
+                peers = sorted(set(sends) | set(recvs))
+                raise self.fail(b, f"transfer with rank(s) {peers} did not complete ({_one_line(e)})") from None
+
+    def _full_tensors(self, pieces) -> dict:
+        """Full-shape HF tensors of this bucket for what goes through vLLM's loader: every HF tensor on a learning
+        step (or without ``direct``), the fallback ones on a replayed step."""
+        s, full = self.s, {}
+        for p in pieces:
+            if p.hf in full or (self.replay and p.hf not in self.st.fallback_hf):
+                continue
+            shape = s.hf_shapes[p.hf]
+            full[p.hf] = (torch.full(shape, self.fill_value, dtype=s.dtype, device=self.rdev)
+                          if self.fill_value is not None else torch.empty(shape, dtype=s.dtype, device=self.rdev))
+        return full
+
+    def _self_copies(self, b, selfs, full):
+        if not selfs:
+            return
+        s = self.s
+        if self.replay:
+            buf = torch.cat([self.src_view(p).reshape(-1).to(s.dtype) for p in selfs])
+            sync_apply.apply_dense(self.st.sinks[(b, self.rank)], buf, full)
+        else:
+            for p in selfs:
+                full[p.hf][box_slices(p.hf_box)].copy_(self.src_view(p).reshape(box_shape(p.hf_box)))
+        self.cnt["local_bytes"] += sum(box_numel(p.hf_box) for p in selfs) * s.elem
+
+    def _load(self, b, full):
+        if self.vm is None:
+            raise self.fail(b, "pieces arrived for a rank without a vLLM model")
+        try:
+            if self.recorder is not None:
+                self.recorder.watch_inputs(full)
+                with self.recorder:
+                    self.vm.load_weights(list(full.items()))
+            else:
+                self.vm.load_weights(list(full.items()))
+        except Exception as e:  # noqa: BLE001
+            raise self.fail(b, f"vLLM load_weights raised {type(e).__name__}: {_one_line(e)}") from None
+
+    def _exchange_fallback(self) -> dict:
+        """Every rank's fallback HF tensors (receiver rank -> set), for the verification: their pieces are proven
+        on the wire, not in the parameters (vLLM's loader transforms them). One 1 KiB summary each; only a set too
+        long for it goes through all_gather_object."""
+        mine = sorted(self.st.fallback_hf) if self.local is not None else []
+        short = len(json.dumps(mine)) < 900
+        alls = _exchange_summaries({"fb": mine if short else None}, self.comm, self.timeout_s)
+        if any(a.get("fb") is None for a in alls):
+            out = [None] * self.comm.world
+            try:
+                dist.all_gather_object(out, mine, group=self.comm.control)
+            except Exception as e:  # noqa: BLE001
+                raise SyncError(f"weight sync verification failed on rank {self.rank}: exchanging the fallback sets "
+                                f"failed ({_one_line(e)}); vLLM weights updated but not proven") from None
+        else:
+            out = [a["fb"] for a in alls]
+        return {r: set(v) for r, v in enumerate(out) if v}
+
+    def _redigest_fallback(self, fallback):
+        """The senders' digests of messages holding fallback pieces cover the other pieces only (as the receiver's)."""
+        for dst, hfs in fallback.items():
+            if dst not in self.sent_digests:
+                continue
+            msgs = {b: ps for b, src, ps in self.s.messages_to(dst) if src == self.rank}
+            new = []
+            for b, d in self.sent_digests[dst]:
+                ps = msgs.get(b, ())
+                if any(p.hf in hfs for p in ps):
+                    keep = [self.src_view(p) for p in ps if p.hf not in hfs]
+                    d = digest(_flat(keep, self.s.dtype, self.scratch)) if keep else \
+                        digest(torch.empty(0, dtype=self.s.dtype))
+                new.append((b, d))
+            self.sent_digests[dst] = new
+
+    def _report(self) -> dict:
+        """The job's sums of this step's counters (one small all-gather on the control group); rank 0 logs them."""
+        keys = ("sent_bytes", "sent_full_bytes", "changed_elements", "delta_elements", "messages_delta",
+                "messages_full", "messages_rebased", "unproven_pieces")
+        mine = {k: self.cnt[k] for k in keys}
+        mine.update({k: round(self.cnt[k], 4) for k in _TIMES + ("seconds",)}, fb=len(self.st.fallback))
+        alls = _exchange_summaries(mine, self.comm, self.timeout_s)
+        job = {k: sum(a.get(k, 0) for a in alls) for k in keys}
+        job.update({k: max(a.get(k, 0) for a in alls) for k in _TIMES + ("seconds",)})
+        job["fallback_params"] = sum(a.get("fb", 0) for a in alls)
+        job["density"] = job["changed_elements"] / job["delta_elements"] if job["delta_elements"] else None
+        if self.rank == 0:
+            dens = f"{job['density']:.4%}" if job["density"] is not None else "-"
+            logger.info("ckpt_tools sync step %d: sent %d of %d bytes (%.3gx fewer), density %s, messages %d delta / "
+                        "%d full (%d base differed), %s, fallback params %d; seconds encode %.3f transfer %.3f "
+                        "apply %.3f verify %.3f total %.3f", self.st.steps, job["sent_bytes"],
+                        job["sent_full_bytes"], job["sent_full_bytes"] / max(1, job["sent_bytes"]), dens,
+                        job["messages_delta"], job["messages_full"], job["messages_rebased"],
+                        "direct" if self.cnt["direct"] else "via load_weights", job["fallback_params"],
+                        job["encode_seconds"], job["transfer_seconds"], job["apply_seconds"], job["verify_seconds"],
+                        job["seconds"])
+        return job

@@ -1,0 +1,222 @@
+"""Tensor-by-tensor bitwise equality between any two checkpoints (HF, Megatron torch_dist, vLLM shards); the
+single-side check of one checkpoint (structure, coverage, ``_extra_state``, ``common.pt``, manifest checksums) is
+:mod:`ckpt_tools.verify.checks`.
+
+Both stream: each tensor is compared in row blocks sized from ``max_memory``, read from the files with preadv
+(no mmap), so peak memory does not depend on the tensor or file size.
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+from tqdm import tqdm
+
+from ..copy.plan import row_blocks
+from ..dist.divide import divide
+from ..dist.ranks import Solo
+from ..formats.views import VllmView
+from ..integrity import SourceCheck
+from ..layout import box_shape, box_shift, box_slices, full_box, numel
+from .checks import _manifest, structure_checks
+
+# bytes of working memory per compared element: both sides' read buffers and assembled copies, a cast of
+# each, the comparison mask and, on a mismatch, the float32 difference (measured: tests/test_trust_integrity.py)
+BYTES_PER_ELEMENT = 24
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret as integers so that NaN payloads and -0.0 compare bit for bit."""
+    if t.dtype.is_floating_point:
+        return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def equal_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Bitwise equality; with ``dtype``, of both sides cast to it (only under --allow-cast)."""
+    if a.shape != b.shape:
+        return False
+    if dtype is not None:
+        a, b = a.to(dtype), b.to(dtype)
+    elif a.dtype != b.dtype:
+        return False
+    return torch.equal(_bits(a), _bits(b))
+
+
+def compare_dtype(da: torch.dtype, db: torch.dtype) -> torch.dtype:
+    """Under --allow-cast: the dtype both sides are compared in - the narrower one (a bf16 export of an fp32
+    source is compared with the source rounded to bf16); for two of one width, the first side's."""
+    return db if db.itemsize < da.itemsize else da
+
+
+class _Cmp:
+    """Accumulates one tensor's comparison over its blocks."""
+
+    def __init__(self, da, db, allow_cast):
+        self.da, self.db = da, db
+        self.cast = da != db
+        self.cmp = compare_dtype(da, db) if self.cast else None
+        self.wide = (da if self.cmp == db else db) if self.cast else None
+        self.equal, self.rounded, self.mismatched, self.max_abs = True, False, 0, 0.0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor):
+        if x.shape != y.shape:
+            self.equal = False
+            return
+        if self.cast:
+            w = x if x.dtype == self.wide else y
+            if not self.rounded and not torch.equal(_bits(w.to(self.cmp).to(self.wide)), _bits(w)):
+                self.rounded = True
+            x, y = x.to(self.cmp), y.to(self.cmp)
+        if not torch.equal(_bits(x), _bits(y)):
+            self.equal = False
+            self.mismatched += int((_bits(x) != _bits(y)).sum())
+            self.max_abs = max(self.max_abs, float((x.float() - y.float()).abs().max()))
+
+
+def _blocks(box, itemsize_hint: int, max_memory: int):
+    """Row blocks of ``box`` (absolute boxes) holding about ``max_memory / BYTES_PER_ELEMENT`` elements."""
+    shp = box_shape(box)
+    origin = [-b[0] for b in box]
+    return [box_shift(b, origin) for b in row_blocks(shp, 1, max(1, max_memory // BYTES_PER_ELEMENT))]
+
+
+def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: int = 1 << 30, group=None) -> dict:
+    """Compare view ``a`` with view ``b`` block by block, each side in its own stored dtype: a dtype difference
+    is a difference unless ``allow_cast`` (then both are compared in the narrower dtype and the tensors whose
+    values that rounds are counted). Returns a report dict with ``ok``, per-tensor rows and problems.
+    ``group`` (:mod:`ckpt_tools.dist.ranks`, under torchrun): each rank compares its share of the tensors
+    (divided by bytes), rank 0 runs the structure checks; every rank returns the whole job's report."""
+    g = group or Solo()
+    rows, problems = [], []
+    for v in (a, b) if g.lead_rank else ():  # single-side verify's structure checks (the data: compared here)
+        probs, _ = structure_checks(v)
+        man, bad = _manifest(v.path)
+        probs += bad
+        if man is not None:
+            probs += [p for _, p in SourceCheck(v.path, man).precheck()]
+        problems += [f"{v.kind} {v.path}: {p}" for p in probs]
+    if a.cfg.raw and b.cfg.raw and set(a.shapes) != set(b.shapes):
+        problems.append("the two sides describe different models (tensor sets differ)")
+    vl = a if isinstance(a, VllmView) else b if isinstance(b, VllmView) else None
+    tasks = []  # (what, bytes, function -> row), in report order
+    if vl is not None:
+        other = b if vl is a else a
+        if isinstance(other, VllmView):
+            raise ValueError("verify of two vLLM shard dirs is not supported: compare each with the HF source")
+        for r, tensors in enumerate(vl.layout.ranks):
+            for n, ts in tensors.items():
+                tasks.append((n, numel(ts.shape) * 2, functools.partial(_vllm_row, vl, other, r, n, ts, allow_cast,
+                                                                          max_memory)))
+    else:
+        for n in a.names():
+            if n not in b.shapes:
+                tasks.append((n, 0, functools.partial(dict, tensor=n, equal=False, why="missing on the second side")))
+            else:
+                tasks.append((n, numel(a.shapes[n]), functools.partial(_row, a, b, n, allow_cast, max_memory)))
+        for n in b.names():
+            if n not in a.shapes:
+                tasks.append((n, 0, functools.partial(dict, tensor=n, equal=False, why="missing on the first side")))
+    owner = divide([(what, size) for what, size, _ in tasks], g.world)
+    mine = [i for i, r in enumerate(owner) if r == g.rank]
+    done = {i: tasks[i][2]() for i in tqdm(mine, desc="verify", disable=not progress or not g.lead_rank)}
+    if g.world > 1:
+        parts = g.gather({"rows": done, "problems": problems}, "the end of the comparison")
+        done = {int(i): row for p in parts for i, row in p["rows"].items()}
+        problems = parts[0]["problems"]
+    rows = [done[i] for i in range(len(tasks))]
+    bad = [r for r in rows if not r["equal"]]
+    if not rows:  # nothing compared is not "no difference": every tensor the config implies is uncovered
+        problems = problems + ["0 tensors compared: nothing was checked (a coverage gap, not a match)"]
+    return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
+            "cast": sum(1 for r in rows if r.get("cast")), "rounded": sum(1 for r in rows if r.get("rounded")),
+            "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
+            "tensors": rows}
+
+
+def _vllm_row(vl, other, r, n, ts, allow_cast, max_memory) -> dict:
+    """One vLLM rank tensor against the other side's HF tensors (its segments) and its padding zeros."""
+    dv = vl.readers[r].dtype(n)
+    row = {"tensor": f"rank{r}:{n}", "shape": list(ts.shape), "dtype": str(dv)}
+    cmps = []
+    whole = None  # a rank tensor within the budget is read once, its segments sliced from it
+    if numel(ts.shape) <= max_memory // BYTES_PER_ELEMENT:
+        whole = vl.rank_tensor(r, n)
+    for seg in ts.segments:
+        do = other.dtype_of(seg.hf)
+        c = _Cmp(do, dv, allow_cast)
+        cmps.append(c)
+        if c.cast and not allow_cast:
+            continue
+        for sub in _blocks(seg.hf_box, 4, max_memory):
+            want = other.read(seg.hf, sub)
+            tb = seg.hf_to_target(sub)
+            got = (whole[box_slices(tb)] if whole is not None else vl.rank_tensor(r, n, tb)).reshape(want.shape)
+            c.add(want, got)
+    zeros_ok = True
+    for z in ts.zeros:
+        for zb in _blocks(z, 4, max_memory):
+            zt = whole[box_slices(zb)] if whole is not None else vl.rank_tensor(r, n, zb)
+            if zt.count_nonzero():
+                zeros_ok = False
+    _finish(row, cmps, allow_cast, zeros_ok)
+    return row
+
+
+def _row(a, b, n, allow_cast, max_memory) -> dict:
+    """Tensor ``n`` of ``a`` against ``b``'s."""
+    da, db = a.dtype_of(n), b.dtype_of(n)
+    row = {"tensor": n, "shape": list(a.shapes[n]), "dtype": f"{da}/{db}".replace("torch.", "")}
+    c = _Cmp(da, db, allow_cast)
+    if not (c.cast and not allow_cast):
+        for sub in _blocks(full_box(a.shapes[n]), 4, max_memory):
+            c.add(a.read(n, sub), b.read(n, sub))
+    _finish(row, [c], allow_cast)
+    return row
+
+
+def _finish(row, cmps, allow_cast, zeros_ok=True):
+    cast = [c for c in cmps if c.cast]
+    if cast and not allow_cast:
+        c = cast[0]
+        row.update(equal=False, why=f"dtype {str(c.da).replace('torch.', '')} vs {str(c.db).replace('torch.', '')} "
+                                    f"(a cast; --allow-cast compares the values)")
+        return
+    row["equal"] = zeros_ok and all(c.equal for c in cmps)
+    if cast:
+        row["cast"] = True
+        row["rounded"] = any(c.rounded for c in cast)
+    if not zeros_ok:
+        row["why"] = "padding rows are not zero"
+    elif not row["equal"]:
+        row["max_abs_diff"] = max(c.max_abs for c in cmps)
+        row["mismatched"] = sum(c.mismatched for c in cmps)
+
+
+def print_report(rep: dict, out, limit: int = 40):
+    bad = [r for r in rep["tensors"] if not r["equal"]]
+    shown = bad[:limit] if bad else rep["tensors"][:min(limit, 12)]
+    w = max([len(r["tensor"]) for r in shown] + [6])
+    print(f"{'tensor':<{w}}  {'shape':<22} {'dtype':<26} result", file=out)
+    for r in shown:
+        res = "EQUAL" if r["equal"] else "DIFF " + r.get("why", f"max|d|={r.get('max_abs_diff')} n={r.get('mismatched')}")
+        if r["equal"] and r.get("cast"):
+            res += " (after a cast" + (", rounded)" if r.get("rounded") else ")")
+        print(f"{r['tensor']:<{w}}  {str(r.get('shape', '')):<22} {r.get('dtype', ''):<26} {res}", file=out)
+    if len(rep["tensors"]) > len(shown):
+        print(f"... {len(rep['tensors']) - len(shown)} more rows (--json for all)", file=out)
+    for p in rep["problems"]:
+        print(f"PROBLEM: {p}", file=out)
+    verdict = "OK" if rep["ok"] else "FAILED"
+    cast = ""
+    if rep.get("cast"):
+        cast = (f"; {rep['cast']} compared after a cast to the narrower dtype (--allow-cast), "
+                f"{rep['rounded']} of them rounded")
+    print(f"{verdict}: {rep['compared']} tensors compared bitwise, {rep['mismatched']} differ{cast}, "
+          f"{len(rep['problems'])} integrity problems ({rep['first']} vs {rep['second']})", file=out)
+
+
+def write_json(rep: dict, path: str):
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=1)
