@@ -68,22 +68,36 @@ def test_patch_through_sinks_of_several_parameters_and_views():
     grid = torch.zeros(4, 6)
     strided = grid[:, 1]  # 4 elements, stride 6
     fa, fb = a.view(-1), b.view(-1)
+    cube = torch.zeros(3, 4, 5)
+    box = cube[1:3, 1:3, 2:5]  # a 3-D strided box (an expert's column slice)
+    fg, fc = grid.view(-1), cube.view(-1)
     sinks = [Sink(10, (fa[0:10],), base=fa, off=0), Sink(8, (fb[3:11],), base=fb, off=3),
-             Sink(5, (twice1, twice2)), Sink(12, (fa[20:32],), base=fa, off=20), Sink(4, (strided,)),
-             Sink(7, (fb[20:27],), base=fb, off=20)]
+             Sink(5, (twice1, twice2)), Sink(12, (fa[20:32],), base=fa, off=20), Sink(4, (strided,), base=fg, off=1),
+             Sink(7, (fb[20:27],), base=fb, off=20), Sink(12, (box,), base=fc, off=box.storage_offset()),
+             Sink(3, (grid[1, 3:6],))]
     n = sum(s.n for s in sinks)
     msg = torch.arange(1, n + 1, dtype=torch.float32)
-    idx = torch.tensor([0, 9, 10, 17, 18, 22, 23, 34, 35, 38, 39, n - 1])
+    idx = torch.tensor([0, 9, 10, 17, 18, 22, 23, 34, 35, 38, 39, 40, 41, 45, 50, 51, n - 2, n - 1])
     D.patch(D.PatchPlan(sinks, "cpu"), idx, msg[idx])
-    want = [torch.zeros_like(t) for t in (a, b, twice1, twice2, grid)]
+    want = [torch.zeros_like(t) for t in (a, b, twice1, twice2, grid, cube)]
     o = 0
     dense = [(want[0].view(-1)[0:10],), (want[1].view(-1)[3:11],), (want[2], want[3]), (want[0].view(-1)[20:32],),
-             (want[4][:, 1],), (want[1].view(-1)[20:27],)]
+             (want[4][:, 1],), (want[1].view(-1)[20:27],), (want[5][1:3, 1:3, 2:5],), (want[4][1, 3:6],)]
     keep = torch.zeros(n, dtype=torch.bool)
     keep[idx] = True
     for s, views in zip(sinks, dense):
         for v in views:
             v.copy_(torch.where(keep[o:o + s.n], msg[o:o + s.n], torch.zeros(s.n)).view(v.shape))
         o += s.n
-    for got, w in zip((a, b, twice1, twice2, grid), want):
+    for got, w in zip((a, b, twice1, twice2, grid, cube), want):
         assert torch.equal(got, w), (got, w)
+
+
+def test_patch_contiguous_slices_of_two_parameters():
+    a, b = torch.zeros(20), torch.zeros(20)
+    sinks = [Sink(6, (a[2:8],), base=a, off=2), Sink(5, (b[0:5],), base=b, off=0), Sink(4, (a[10:14],), base=a, off=10)]
+    plan = D.PatchPlan(sinks, "cpu")
+    assert plan.contiguous and len(plan.bases) == 2
+    D.patch(plan, torch.tensor([0, 5, 6, 10, 11, 14]), torch.tensor([1.0, 2, 3, 4, 5, 6]))
+    assert a.nonzero().flatten().tolist() == [2, 7, 10, 13] and a[[2, 7, 10, 13]].tolist() == [1, 2, 5, 6]
+    assert b.nonzero().flatten().tolist() == [0, 4] and b[[0, 4]].tolist() == [3, 4]

@@ -47,7 +47,7 @@ from ..layout.model_config import config_from_dict
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
 from ..sync.comm import _comm, _exchange_summaries
 from ..sync.digest import digest
-from ..sync.transport import _unwrap
+from ..sync.preflight import _unwrap
 from .verl_config import MODES, VERIFY_MODES, _env, devices_per_node, rollout_parallel
 
 logger = logging.getLogger("ckpt_tools.verl")

@@ -195,7 +195,7 @@ class Sink(NamedTuple):
     views: tuple
     hf: str | None = None
     box: tuple | None = None
-    base: torch.Tensor | None = None  # the flat parameter the one contiguous view is a slice of ...
+    base: torch.Tensor | None = None  # the flat parameter the one view is a box of ...
     off: int = 0                      # ... starting at this element (what a delta patch indexes)
 
 
@@ -226,7 +226,10 @@ def message_sinks(pieces, regions, fallback_hf, live) -> list:
         if cur is not None:
             out.append(_run(cur))
             cur = None
-        out.append(Sink(n, tuple(r[2] for r in rs)))
+        if len(rs) == 1 and prm.is_contiguous():  # a strided box of one parameter (e.g. a column slice)
+            out.append(Sink(n, (v,), base=prm.view(-1), off=v.storage_offset() - prm.storage_offset()))
+        else:  # a region the loader places twice on this rank
+            out.append(Sink(n, tuple(r[2] for r in rs)))
     if cur is not None:
         out.append(_run(cur))
     return out

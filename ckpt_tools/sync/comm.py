@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .digest import digest
+from .digest import digest, digest_host, host
 
 
 class SyncError(RuntimeError):
@@ -96,6 +96,20 @@ def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
     except Exception as e:  # noqa: BLE001
         raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of a {tuple(t.shape)} {t.dtype} "
                         f"tensor on {t.device} failed ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def checked_digest_run(tensors: list, dtype, flat) -> torch.Tensor:
+    """:func:`checked_digest` of the elements of ``tensors`` one after another: streamed on the host digest,
+    else the digest of ``flat(tensors)`` (their elements copied into one flat buffer) when there are several."""
+    try:
+        if host():
+            return digest_host(tensors, dtype)
+        if not tensors:
+            return digest(torch.empty(0, dtype=dtype), dtype)
+        return digest(tensors[0] if len(tensors) == 1 else flat(tensors), dtype)
+    except Exception as e:  # noqa: BLE001
+        raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of {len(tensors)} tensor(s) failed "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
 
 
 def _one_line(e: BaseException) -> str:

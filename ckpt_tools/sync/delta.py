@@ -94,53 +94,75 @@ def decode(payload: torch.Tensor, mode: int, n: int, k: int, dtype: torch.dtype)
 
 
 class PatchPlan:
-    """Where each position of one message lands, for :func:`patch`: per sink its end in the message and, for a
-    sink that is one contiguous slice of a flat parameter (the usual case, ckpt_tools.sync.apply.Sink ``base``),
-    that parameter and the slice's offset - so the positions of a message are turned into parameter offsets by
-    a few vectorized ops and written with one ``index_copy_`` per parameter, not one per sink."""
+    """Where each position of one message lands, for :func:`patch`. Per sink: its end in the message and, for a
+    sink that is one box of a flat contiguous parameter (ckpt_tools.sync.apply.Sink ``base``: a contiguous slice
+    or a strided box such as a column slice, up to 3 dimensions), that parameter, the box's first element and its
+    sizes and strides. A message's changed positions then become parameter offsets by a few vectorized ops and
+    are written with one ``index_copy_`` per parameter, not one per sink."""
+
+    DIMS = 3
 
     def __init__(self, sinks, device):
         self.sinks = sinks
         ns = [s.n for s in sinks]
         self.ends = torch.tensor(ns, dtype=torch.int64, device=device).cumsum(0)
-        self.bases, ids, shift = [], [], []
+        self.bases, ids, starts, offs, sizes, strides = [], [], [], [], [], []
         where = {}
         start = 0
+        self.contiguous = True  # every sink a contiguous slice: offset = position + shift
         for s, n in zip(sinks, ns):
-            simple = s.base is not None and len(s.views) == 1 and s.base.is_contiguous()
-            if simple:
+            v = s.views[0] if len(s.views) == 1 else None
+            if s.base is not None and v is not None and v.dim() <= self.DIMS and s.base.is_contiguous():
                 key = (s.base.data_ptr(), s.base.numel(), s.base.dtype)
                 if key not in where:
                     where[key] = len(self.bases)
                     self.bases.append(s.base)
                 ids.append(where[key])
-                shift.append(s.off - start)  # parameter offset = message position + shift
+                pad = self.DIMS - v.dim()
+                sizes.append([1] * pad + list(v.shape))
+                strides.append([0] * pad + list(v.stride()))
+                self.contiguous &= v.is_contiguous()
             else:
                 ids.append(-1)
-                shift.append(0)
+                sizes.append([1] * (self.DIMS - 1) + [max(n, 1)])
+                strides.append([0] * self.DIMS)
+            starts.append(start)
+            offs.append(s.off if ids[-1] >= 0 else 0)
             start += n
-        self.ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        self.shift = torch.tensor(shift, dtype=torch.int64, device=device)
+        t = dict(dtype=torch.int64, device=device)
+        self.ids, self.starts, self.offs = torch.tensor(ids, **t), torch.tensor(starts, **t), torch.tensor(offs, **t)
+        self.sizes, self.strides = torch.tensor(sizes, **t), torch.tensor(strides, **t)
+        self.shift = self.offs - self.starts
         self.all_simple = -1 not in ids
+
+    def offsets(self, idx: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """Each message position's element offset in its sink's flat parameter."""
+        if self.contiguous:
+            return idx + self.shift[which]
+        j = idx - self.starts[which]
+        sz, st = self.sizes[which], self.strides[which]
+        c2 = j % sz[:, 2]
+        j = j // sz[:, 2]
+        return self.offs[which] + (j // sz[:, 1]) * st[:, 0] + (j % sz[:, 1]) * st[:, 1] + c2 * st[:, 2]
 
 
 def patch(plan: PatchPlan, idx: torch.Tensor, vals: torch.Tensor) -> None:
     """Write ``vals`` at message positions ``idx`` (sorted) into the message's parameters (see :class:`PatchPlan`):
-    one ``index_copy_`` per parameter the changed positions fall in; a sink that is not a plain contiguous slice
-    (a region the loader places twice, a strided view) is patched on its own (``index_copy_`` on a contiguous view;
-    a strided view is read, patched and written back)."""
+    one ``index_copy_`` per parameter the changed positions fall in; a sink that is not one box of a parameter (a
+    region the loader places twice) is patched on its own (``index_copy_`` on a contiguous view; a strided view is
+    read, patched and written back)."""
     if idx.numel() == 0:
         return
     which = torch.searchsorted(plan.ends, idx, right=True)
-    ids = plan.ids[which]
-    offs = idx + plan.shift[which]
+    offs = plan.offsets(idx, which)
     if len(plan.bases) == 1 and plan.all_simple:
         plan.bases[0].index_copy_(0, offs, vals)
         return
+    ids = plan.ids[which]
     order = torch.sort(ids, stable=True).indices  # positions grouped by parameter, in message order within one
     ids, offs, vals_s, which_s = ids[order], offs[order], vals[order], which[order]
     counts = torch.bincount(ids + 1, minlength=len(plan.bases) + 1).tolist()
-    o = counts[0]  # the positions of sinks that are not plain slices come first (id -1)
+    o = counts[0]  # the positions of sinks that are not one box of a parameter come first (id -1)
     for base, c in zip(plan.bases, counts[1:]):
         if c:
             base.index_copy_(0, offs[o:o + c], vals_s[o:o + c])
@@ -150,7 +172,7 @@ def patch(plan: PatchPlan, idx: torch.Tensor, vals: torch.Tensor) -> None:
 
 
 def _patch_each(plan, idx, vals, which) -> None:
-    starts = [0] + plan.ends.tolist()[:-1]
+    starts = plan.starts.tolist()
     for i in torch.unique(which).tolist():
         sel = which == i
         pos, v = idx[sel] - starts[i], vals[sel]

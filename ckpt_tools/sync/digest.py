@@ -11,10 +11,19 @@ modulo 2**64 is associative and commutative, so the result does not depend on th
 the kernel: equal on every device for equal bytes. Position weights make a shifted row, a swapped pair or a
 misplaced expert change the digest (unlike a plain sum); it is a checksum against loader and transport faults,
 not a cryptographic hash against an adversary.
+
+On a job whose every rank holds its tensors on the CPU (agreed by the sync's preflight, :func:`use_host`), the
+digest is xxh3-64 of the same bytes instead (the manifest's hash, ``xxhash``): about 4x faster on a CPU than the
+positional kernel and streamed over several tensors without copying them into one. The two functions give
+different values, so one job uses one of them on every rank; a device job (NCCL / HCCL) always uses the
+positional kernel on its device.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
+import xxhash
 
 BLOCK = 2048  # 64-bit words per block (16 KiB)
 SLAB = 256    # blocks multiplied at once into a reused scratch buffer (4 MiB): bounded memory, no page faults
@@ -53,8 +62,42 @@ def _block_weights(n: int, device) -> torch.Tensor:
     return (z ^ (z >> 31)) | 1
 
 
+_HOST = [False]
+
+
+def use_host(on: bool) -> None:
+    """From now on, in this process, digest with xxh3 over the bytes (``on``: every rank of the job hashes CPU
+    tensors) or with the positional kernel on each tensor's device. Every rank of a job must make the same choice:
+    the sync's preflight agrees on it."""
+    _HOST[0] = bool(on)
+
+
+def host() -> bool:
+    return _HOST[0]
+
+
+def digest_host(tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """0-d int64 CPU tensor: xxh3-64 of the elements of ``tensors`` one after another (row-major, as ``dtype``
+    bytes), streamed: a contiguous CPU tensor is hashed where it lies."""
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        t = t.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.numel():
+            t = t.contiguous()
+            # the bytes where they lie, through ctypes: not Tensor.numpy(), which marks the storage not resizable
+            # (verl's offload then fails "Trying to resize storage that is not resizable")
+            h.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+    return torch.tensor(_signed(h.intdigest()), dtype=torch.int64)
+
+
 def digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """0-d int64 tensor on ``t``'s device: the digest of ``t``'s elements (row-major) as ``dtype`` bytes."""
+    if _HOST[0]:
+        return digest_host([t], dtype)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)

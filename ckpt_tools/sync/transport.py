@@ -2,7 +2,7 @@
 :class:`~ckpt_tools.sync.schedule.SyncSchedule`, over ``torch.distributed`` point-to-point ops on the data group
 (gloo / NCCL / HCCL), after a preflight on the control group that refuses a mismatched topology or model before any
 byte moves (:mod:`ckpt_tools.sync.comm`), and proves the result when asked (:mod:`ckpt_tools.sync.verify`).
-:func:`local_chunks` reads the actor's tensors from its own ``sharded_state_dict()``.
+:func:`~ckpt_tools.sync.preflight.local_chunks` (re-exported) reads the actor's tensors.
 """
 from __future__ import annotations
 
@@ -18,114 +18,24 @@ from ..core import numbers
 from ..layout import box_numel, box_shape, box_slices
 from . import apply as sync_apply
 from . import delta as sync_delta
-from . import live as vllm_live
-from .comm import ABANDONED, SyncError, _comm, _device_of, _exchange_summaries, _one_line, _rank_of, _wait_data
+from .comm import (
+    ABANDONED,
+    SyncError,
+    _comm,
+    _device_of,
+    _exchange_summaries,
+    _one_line,
+    _rank_of,
+    _wait_data,
+    checked_digest_run,
+)
 from .comm import checked_digest as digest
 from .delta import DENSE
+from .preflight import _preflight, local_chunks  # noqa: F401 - local_chunks: ckpt_tools.sync's public name
 from .schedule import SyncSchedule
 from .verify import _all_to_all, _flat, _verify, _views
 
 logger = logging.getLogger("ckpt_tools.sync")
-
-
-def local_chunks(megatron_model) -> dict:
-    """(key, global box) -> this rank's local tensor, from the live model chunk(s)' own
-    ``sharded_state_dict()`` (megatron/core/dist_checkpointing/layout/models.py ShardedTensor: ``data`` is the
-    local tensor, ``global_offset`` its place in the global tensor, ``prepend_axis_num`` leading point axes
-    (layer, expert)); SwiGLU ``linear_fc1`` comes as a ShardedTensorFactory that megatron's own
-    ``apply_factories`` turns into its two chunks (megatron/core/transformer/mlp.py
-    apply_swiglu_sharded_factory: ``torch.chunk`` views, no copy)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    models = megatron_model if isinstance(megatron_model, (list, tuple)) else [megatron_model]
-    out = {}
-    for m in models:
-        sd = _unwrap(m).sharded_state_dict()
-        apply_factories(sd)
-        for v in nested_values(sd):
-            if not isinstance(v, ShardedTensor) or v.data is None or v.flattened_range is not None:
-                continue
-            n = v.prepend_axis_num
-            offs = tuple(v.global_offset)
-            box = tuple((o, o + 1) for o in offs[:n]) + tuple((o, o + s) for o, s in zip(offs[n:], v.data.shape))
-            out[(v.key, box)] = v.data
-    return out
-
-
-
-def _unwrap(m):
-    """The model chunk under verl's / megatron's wrappers (megatron DDP, Float16Module, torch DDP): their
-    ``sharded_state_dict()`` prefixes keys with ``module.`` (verl/utils/megatron_utils.py unwrap_model does the
-    same before reading weights)."""
-    wrappers = [torch.nn.parallel.DistributedDataParallel]
-    try:
-        from megatron.core.distributed import DistributedDataParallel
-        from megatron.core.transformer.module import Float16Module
-
-        wrappers += [DistributedDataParallel, Float16Module]
-    except ImportError:
-        pass
-    while isinstance(m, tuple(wrappers)):
-        m = m.module
-    return m
-
-
-def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=()):
-    """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
-    chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
-    fingerprints and problems (one monitored all-gather on the control group). Re-attaches expert
-    ``weight_loader``s a vLLM build dropped (see ckpt_tools.sync.live)."""
-    problem, chunks, live = "", {}, None
-    rank = comm.rank
-    if comm.world < schedule.world:
-        problem = f"the group has {comm.world} ranks, the schedule needs {schedule.world}"
-    is_actor, is_roll = rank in schedule.actor_ranks, rank in schedule.rollout_ranks
-    if not problem and is_actor:
-        if megatron_model is None:
-            problem = f"rank {rank} is an actor rank but got no Megatron model"
-        else:
-            chunks = local_chunks(megatron_model)
-            for key, box in need_chunks:
-                t = chunks.get((key, box))
-                if t is None:
-                    same = sorted(b for k, b in chunks if k == key)
-                    problem = (f"the Megatron model on rank {rank} has no chunk {key} {list(box)}"
-                               + (f" (it holds {[list(b) for b in same[:2]]})" if same else " (no such key)")
-                               + "; model or topology differs from the schedule")
-                    break
-    if not problem and is_roll:
-        local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
-        if vllm_model is None:
-            problem = f"rank {rank} is a rollout rank but got no vLLM model"
-        else:
-            problem = vllm_live.problems(vllm_model, schedule.cfg, schedule.vpar, local)
-            if not problem:
-                vllm_live.reattach_weight_loaders(vllm_model)
-            if not problem and verify:
-                live = vllm_live.LiveParams(vllm_model)
-                missing = [n for n in schedule.vlayout.ranks[local] if live.get(n) is None]
-                if missing:
-                    problem = (f"the vLLM model on rank {rank} has no parameter {missing[0]} (nor its "
-                               f"{len(missing) - 1} other planned ones); vLLM version names differ")
-    mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500],
-            "opts": list(opts)}
-    alls = _exchange_summaries(mine, comm, timeout_s)
-    for r, s in enumerate(alls):
-        if s.get("opts") != mine["opts"]:
-            names = ("verify", "direct", "delta")
-            raise SyncError(f"weight sync refused before any transfer: rank {r} was called with "
-                            f"{dict(zip(names, s.get('opts') or []))}, rank {rank} with {dict(zip(names, opts))} "
-                            f"(every rank must pass the same switches); vLLM weights not modified")
-    for r, s in enumerate(alls):
-        if s.get("problem"):
-            raise SyncError(f"weight sync refused before any transfer: rank {r}: {s['problem']}; vLLM weights not modified")
-    for r, s in enumerate(alls):
-        if s.get("fp") != mine["fp"]:
-            raise SyncError(f"weight sync refused before any transfer: rank {r} planned '{s.get('desc')}' "
-                            f"(fingerprint {s.get('fp')}) but rank {rank} planned '{mine['desc']}' "
-                            f"(fingerprint {mine['fp']}); vLLM weights not modified")
-    return chunks, live
 
 
 class SyncState:
@@ -138,6 +48,7 @@ class SyncState:
         self.fallback_hf = frozenset()
         self.sinks: dict = {}        # (bucket, sender) -> [Sink] of the current map
         self.patch_plans: dict = {}  # (bucket, sender) -> sync_delta.PatchPlan of those sinks (made on first use)
+        self.fallback_all = None     # every rank's fallback HF tensors, as last exchanged (verify + direct)
         self.shadow: dict = {}       # (bucket, receiver) -> what was last sent (host or device)
         self.shadow_digest: dict = {}
         self.steps = 0
@@ -245,11 +156,11 @@ class _Step:
         s, rank = self.s, self.rank
         t0 = time.perf_counter()
         need = {(p.key, p.chunk_box) for p in s.pieces if p.src == rank}
-        self.chunks, self.live = _preflight(s, self.comm, self.mm, self.vm, self.timeout_s, need,
-                                            self.verify or self.direct,
-                                            [bool(self.verify), bool(self.direct), bool(self.delta)])
-        self.rdev = _device_of(self.vm)
         self.local = (s.rollout_ranks.index(rank) % s.vpar.world) if rank in s.rollout_ranks else None
+        self.chunks, self.live, anyone_learns = _preflight(
+            s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
+            [bool(self.verify), bool(self.direct), bool(self.delta)], self._learns)
+        self.rdev = _device_of(self.vm)
         total = len(s.needs_local[self.local]) if self.local is not None else 0
         self.cnt = dict.fromkeys(_COUNTERS, 0)
         self.cnt.update(dict.fromkeys(_TIMES, 0.0), tensors_total=total, direct=False, map_learned=False, no_direct="",
@@ -262,7 +173,11 @@ class _Step:
             self._bucket(b, pieces, flags)
         if self.recorder is not None:
             self._learned()
-        fallback = self._exchange_fallback() if self.verify and self.direct else {}
+        fallback = {}
+        if self.verify and self.direct:  # every rank's fallback sets change only when some rank learns its map
+            if anyone_learns or self.st.fallback_all is None:
+                self.st.fallback_all = self._exchange_fallback()
+            fallback = self.st.fallback_all
         if self.verify:
             tv = time.perf_counter()
             self._redigest_fallback(fallback)
@@ -278,6 +193,13 @@ class _Step:
         self.cnt["seconds"] = time.perf_counter() - t0
         self.cnt["job"] = self._report()
         return self.cnt
+
+    def _learns(self, live) -> bool:
+        """Whether this rank learns its direct map this step (see _plan_receiving), told in the preflight."""
+        if self.local is None or not self.direct or live is None:
+            return False
+        names = list(self.s.vlayout.ranks[self.local])
+        return self.st.map_sig is None or self.st.map_sig != sync_apply.params_sig(live, names)
 
     def _plan_receiving(self):
         """Replay (the map holds for these parameters) or learn (full HF tensors + load_weights, recorded)."""
@@ -335,7 +257,7 @@ class _Step:
             ok = self.replay and (b, src) in self._delta_ok()
             if ok:
                 views = [k.views[0] for k in st.sinks[(b, src)]]
-                d = digest(views[0] if len(views) == 1 else _flat(views, s.dtype, self.scratch), s.dtype).cpu()
+                d = checked_digest_run(views, s.dtype, lambda ts: _flat(ts, s.dtype, self.scratch)).cpu()
             else:
                 d = torch.zeros((), dtype=torch.int64)
             parts[src] += [torch.tensor(int(ok)), d]
@@ -441,8 +363,9 @@ class _Step:
                     st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
                     st.shadow_digest[(b, dst)] = int(d)
             if self.verify and selfs:
-                mine = _flat([self.src_view(p) for p in selfs], dtype, self.scratch)
-                self.sent_digests[rank].append((b, digest(mine)))
+                mine = checked_digest_run([self.src_view(p) for p in selfs], dtype,
+                                          lambda ts: _flat(ts, dtype, self.scratch))
+                self.sent_digests[rank].append((b, mine))
             self._timed("verify_seconds", tv)
             tt = time.perf_counter()
             self._wait_all(b, works, sends, recvs)

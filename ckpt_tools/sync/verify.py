@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import box_slices
-from .comm import SyncError, _exchange_summaries, _one_line, _wait
+from .comm import SyncError, _exchange_summaries, _one_line, _wait, checked_digest_run
 from .comm import checked_digest as digest
 
 
@@ -77,9 +77,8 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
         for b, src, ps in msgs:
             wants.append(offs[src])  # where its sender's digest sits in what the all-to-all brings
             offs[src] += 1
-            run = views.runs[(b, src)]
-            mine.append(digest(run[0] if len(run) == 1 else _flat(run, schedule.dtype, scratch) if run else
-                               torch.empty(0, dtype=schedule.dtype), schedule.dtype))
+            mine.append(checked_digest_run(views.runs[(b, src)], schedule.dtype,
+                                           lambda ts: _flat(ts, schedule.dtype, scratch)))
         mine = torch.stack(mine).cpu().tolist() if mine else []  # one device -> host copy
         got = pending().tolist()
         for (b, src, ps), d, i in zip(msgs, mine, wants):

@@ -17,8 +17,8 @@ import torch
 from ..layout import box_numel, box_shape, box_shift, box_slices, full_box
 from ..sync.comm import SyncError, _comm, _device_of, _one_line, _wait
 from ..sync.cost import gather_all_figures  # noqa: F401 - the product's cost model of this method, named here too
+from ..sync.preflight import _preflight
 from ..sync.schedule import ChunkIndex, SyncSchedule
-from ..sync.transport import _preflight
 
 
 def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
@@ -35,7 +35,7 @@ def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, 
     rank, world, peer = comm.rank, comm.world, comm.peer
     index = ChunkIndex(schedule.mlayout)
     need = {(c.key, c.box) for cs in index.by_unit.values() for c in cs if schedule.actor_ranks[c.rank] == rank}
-    chunks, _ = _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need, False)
+    chunks, _, _ = _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need, False)
     dtype = schedule.dtype
     rdev = _device_of(vllm_model)
     cnt = dict(recv_bytes=0, recv_net_bytes=0, sent_bytes=0, local_bytes=0, messages_sent=0, messages_received=0,
