@@ -104,26 +104,14 @@ def test_unwritten_names_a_gap_and_a_record_written_twice():
     assert i == 1 and why.endswith("was reported written by two ranks (0 and 1)"), why
 
 
-class _PeerSkipped:
+class _PeerSkipped(distributed.Solo):
     """Rank 0 of a 2-rank job whose rank 1 reports having written nothing (it divided the records otherwise,
-    or skipped its share): every step is rank 0's own, rank 1's report is empty."""
+    or skipped its share): every step is rank 0's own (as one process's), rank 1's report is empty."""
 
-    rank, world, lead_rank = 0, 2, True
-
-    def lead(self, fn, what):
-        return fn()
+    world = 2
 
     def gather(self, value, what, deadline=False):
         return [value, {"hashes": [], "bytes": 0}]
-
-    def agree(self, what, value):
-        pass
-
-    def check(self):
-        pass
-
-    def unwinding(self):
-        pass
 
 
 def test_finish_refuses_a_record_no_rank_reported_written(tiny_hf, tmp_path, monkeypatch, capsys):

@@ -88,6 +88,27 @@ def _device_of(model, default="cpu"):
         return torch.device(default)
 
 
+def _flat(tensors: list, dtype, scratch: dict) -> torch.Tensor:
+    """The elements of ``tensors`` (row-major, one after another) as one flat ``dtype`` tensor, written into a
+    buffer kept in ``scratch`` per device and reused (a fresh allocation of that size every bucket and step
+    costs more than the copy: page faults on CPU)."""
+    n = sum(t.numel() for t in tensors)
+    dev = tensors[0].device
+    buf = scratch.get(str(dev))
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = scratch[str(dev)] = torch.empty(max(n, buf.numel() if buf is not None else 0), dtype=dtype, device=dev)
+    out = buf[:n]
+    tensors = [t.detach() for t in tensors]  # (live parameters require grad; out= refuses them)
+    if all(t.dtype == dtype for t in tensors):
+        torch.cat([t.reshape(-1) for t in tensors], out=out)
+    else:
+        o = 0
+        for t in tensors:
+            out[o:o + t.numel()].view(t.shape).copy_(t)
+            o += t.numel()
+    return out
+
+
 def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
     """:func:`ckpt_tools.sync.digest.digest` for the sync: a failure inside it (a device error, memory) is a one-line
     SyncError naming the rank and the tensor, like every other failure of a step."""
@@ -98,15 +119,15 @@ def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
                         f"tensor on {t.device} failed ({type(e).__name__}: {_one_line(e)})") from None
 
 
-def checked_digest_run(tensors: list, dtype, flat) -> torch.Tensor:
+def checked_digest_run(tensors: list, dtype, scratch: dict) -> torch.Tensor:
     """:func:`checked_digest` of the elements of ``tensors`` one after another: streamed on the host digest,
-    else the digest of ``flat(tensors)`` (their elements copied into one flat buffer) when there are several."""
+    else the digest of their elements copied into one reused flat buffer (:func:`_flat`) when there are several."""
     try:
         if host():
             return digest_host(tensors, dtype)
         if not tensors:
             return digest(torch.empty(0, dtype=dtype), dtype)
-        return digest(tensors[0] if len(tensors) == 1 else flat(tensors), dtype)
+        return digest(tensors[0] if len(tensors) == 1 else _flat(tensors, dtype, scratch), dtype)
     except Exception as e:  # noqa: BLE001
         raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of {len(tensors)} tensor(s) failed "
                         f"({type(e).__name__}: {_one_line(e)})") from None

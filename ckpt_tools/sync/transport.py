@@ -33,7 +33,7 @@ from .comm import checked_digest as digest
 from .delta import DENSE
 from .preflight import _preflight, local_chunks  # noqa: F401 - local_chunks: ckpt_tools.sync's public name
 from .schedule import SyncSchedule
-from .verify import _all_to_all, _flat, _verify, _views
+from .verify import _all_to_all, _verify, _views
 
 logger = logging.getLogger("ckpt_tools.sync")
 
@@ -166,7 +166,7 @@ class _Step:
         self.cnt.update(dict.fromkeys(_TIMES, 0.0), tensors_total=total, direct=False, map_learned=False, no_direct="",
                         fallback_params=[])
         self.sent_digests = defaultdict(list)  # receiver -> [(bucket, digest)] of the messages sent to it
-        self.scratch = s.__dict__.setdefault("_scratch", {})  # reused flat buffers (see _flat)
+        self.scratch = s.__dict__.setdefault("_scratch", {})  # reused flat buffers (see comm._flat)
         self._plan_receiving()
         flags = self._exchange_bases() if self.delta else {}
         for b, pieces in enumerate(s.pieces_by_bucket):
@@ -195,20 +195,21 @@ class _Step:
         return self.cnt
 
     def _learns(self, live) -> bool:
-        """Whether this rank learns its direct map this step (see _plan_receiving), told in the preflight."""
+        """Whether this rank learns its direct map this step (see _plan_receiving), told in the preflight; keeps
+        the live parameters' signature (``self.sig``) for _plan_receiving."""
+        self.sig = None
         if self.local is None or not self.direct or live is None:
             return False
-        names = list(self.s.vlayout.ranks[self.local])
-        return self.st.map_sig is None or self.st.map_sig != sync_apply.params_sig(live, names)
+        self.sig = sync_apply.params_sig(live, list(self.s.vlayout.ranks[self.local]))
+        return self.st.map_sig is None or self.st.map_sig != self.sig
 
     def _plan_receiving(self):
         """Replay (the map holds for these parameters) or learn (full HF tensors + load_weights, recorded)."""
         st, s = self.st, self.s
-        self.replay, self.recorder, self.sig = False, None, None
-        if self.local is None or not self.direct or self.live is None:
+        self.replay, self.recorder = False, None
+        if self.sig is None:  # (no direct apply on this rank this step: see _learns)
             return
         names = list(s.vlayout.ranks[self.local])
-        self.sig = sync_apply.params_sig(self.live, names)
         if st.map_sig is not None and st.map_sig == self.sig:
             self.replay = True
             self.cnt["direct"] = True
@@ -257,7 +258,7 @@ class _Step:
             ok = self.replay and (b, src) in self._delta_ok()
             if ok:
                 views = [k.views[0] for k in st.sinks[(b, src)]]
-                d = checked_digest_run(views, s.dtype, lambda ts: _flat(ts, s.dtype, self.scratch)).cpu()
+                d = checked_digest_run(views, s.dtype, self.scratch).cpu()
             else:
                 d = torch.zeros((), dtype=torch.int64)
             parts[src] += [torch.tensor(int(ok)), d]
@@ -363,8 +364,7 @@ class _Step:
                     st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
                     st.shadow_digest[(b, dst)] = int(d)
             if self.verify and selfs:
-                mine = checked_digest_run([self.src_view(p) for p in selfs], dtype,
-                                          lambda ts: _flat(ts, dtype, self.scratch))
+                mine = checked_digest_run([self.src_view(p) for p in selfs], dtype, self.scratch)
                 self.sent_digests[rank].append((b, mine))
             self._timed("verify_seconds", tv)
             tt = time.perf_counter()
@@ -492,9 +492,8 @@ class _Step:
             for b, d in self.sent_digests[dst]:
                 ps = msgs.get(b, ())
                 if any(p.hf in hfs for p in ps):
-                    keep = [self.src_view(p) for p in ps if p.hf not in hfs]
-                    d = digest(_flat(keep, self.s.dtype, self.scratch)) if keep else \
-                        digest(torch.empty(0, dtype=self.s.dtype))
+                    d = checked_digest_run([self.src_view(p) for p in ps if p.hf not in hfs], self.s.dtype,
+                                           self.scratch)
                 new.append((b, d))
             self.sent_digests[dst] = new
 

@@ -77,8 +77,7 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
         for b, src, ps in msgs:
             wants.append(offs[src])  # where its sender's digest sits in what the all-to-all brings
             offs[src] += 1
-            mine.append(checked_digest_run(views.runs[(b, src)], schedule.dtype,
-                                           lambda ts: _flat(ts, schedule.dtype, scratch)))
+            mine.append(checked_digest_run(views.runs[(b, src)], schedule.dtype, scratch))
         mine = torch.stack(mine).cpu().tolist() if mine else []  # one device -> host copy
         got = pending().tolist()
         for (b, src, ps), d, i in zip(msgs, mine, wants):
@@ -136,27 +135,6 @@ def _provable(schedule, b, src, dst, fallback) -> list:
 
 def _bx(box) -> list:
     return [list(x) for x in box]
-
-
-def _flat(tensors: list, dtype, scratch: dict) -> torch.Tensor:
-    """The elements of ``tensors`` (row-major, one after another) as one flat ``dtype`` tensor, written into a
-    buffer kept in ``scratch`` per device and reused (a fresh allocation of that size every bucket and step
-    costs more than the copy: page faults on CPU)."""
-    n = sum(t.numel() for t in tensors)
-    dev = tensors[0].device
-    buf = scratch.get(str(dev))
-    if buf is None or buf.numel() < n or buf.dtype != dtype:
-        buf = scratch[str(dev)] = torch.empty(max(n, buf.numel() if buf is not None else 0), dtype=dtype, device=dev)
-    out = buf[:n]
-    tensors = [t.detach() for t in tensors]  # (live parameters require grad; out= refuses them)
-    if all(t.dtype == dtype for t in tensors):
-        torch.cat([t.reshape(-1) for t in tensors], out=out)
-    else:
-        o = 0
-        for t in tensors:
-            out[o:o + t.numel()].view(t.shape).copy_(t)
-            o += t.numel()
-    return out
 
 
 class _Views(NamedTuple):
