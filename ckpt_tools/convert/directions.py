@@ -135,9 +135,9 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
 def _dropped(view) -> list:
     """The source's entries a model-weights-only output leaves out (optimizer state, rng, ...)."""
     p = view.ckpt.prefix
+    roots = tuple(p + k[len(p):].split(".")[0] + "." for k in view.layout.tensors)  # embedding, decoder, mtp, ...
     return sorted(set(view.ckpt.tensors) - set(view.layout.tensors)) + sorted(
-        o for o in view.ckpt.objects if not o.startswith(p + "decoder.") and not o.startswith(p + "embedding.")
-        and not o.startswith(p + "output_layer."))
+        o for o in view.ckpt.objects if not o.startswith(roots))
 
 
 def _hf_ops(view, name, rec) -> list:
