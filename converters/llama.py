@@ -12,6 +12,10 @@ ARCHITECTURES = ("LlamaForCausalLM",)
 PRESETS = {"llama-3.1-8b": "llama-3.1-8b.json", "llama-3.1-70b": "llama-3.1-70b.json",
            "llama-3.1-405b": "llama-3.1-405b.json"}
 LAYER_PREFIX_HF = "model.layers.{i}."
+# the tests' tiny model of this family (transformers' own config and model classes, random weights)
+TINY = dict(model_type="llama", vocab_size=250, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=32, intermediate_size=96, num_hidden_layers=6, max_position_embeddings=256, rms_norm_eps=1e-5,
+            rope_theta=5e5, tie_word_embeddings=False)
 
 
 def config(f) -> dict:

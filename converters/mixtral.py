@@ -13,6 +13,10 @@ MODEL_TYPES = ("mixtral",)
 ARCHITECTURES = ("MixtralForCausalLM",)
 PRESETS = {"mixtral-8x7b": "mixtral-8x7b.json", "mixtral-8x22b": "mixtral-8x22b.json"}
 LAYER_PREFIX_HF = "model.layers.{i}."
+# the tests' tiny model of this family (transformers' own config and model classes, random weights)
+TINY = dict(model_type="mixtral", vocab_size=250, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=32, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=6,
+            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
 
 
 def config(f) -> dict:

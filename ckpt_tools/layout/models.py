@@ -42,6 +42,7 @@ class TensorSpec:
     shape: tuple
     segments: list = field(default_factory=list)  # Segment, key == name
     zeros: list = field(default_factory=list)  # boxes that hold padding (zeros), not HF data
+    dtype: str | None = None  # the dtype this tensor is written in whatever --dtype says (torch.<name>), if fixed
 
 
 def _as_tuple(x):
@@ -203,7 +204,8 @@ class MegatronLayout:
                 lead = ((i,) if stacked else ()) + ((e,) if expert else ())
                 segs.extend(_segments_for(key, lead, parts, cols))
         lead_shape = ((cfg.layers,) if stacked else ()) + ((cfg.experts,) if expert else ())
-        self.tensors[key] = TensorSpec(key, lead_shape + (rows,) + ((cols,) if cols is not None else ()), segs)
+        self.tensors[key] = TensorSpec(key, lead_shape + (rows,) + ((cols,) if cols is not None else ()), segs,
+                                       dtype=row.get("dtype"))
         self._rows[key] = row
         self._place[key] = place
 
@@ -409,8 +411,8 @@ class VllmLayout:
             tp_rank = rank % t
             tensors = {}
 
-            def add(name, shape, segs, zeros=()):
-                tensors[name] = TensorSpec(name, tuple(shape), segs, list(zeros))
+            def add(row, name, shape, segs, zeros=()):
+                tensors[name] = TensorSpec(name, tuple(shape), segs, list(zeros), row.get("vllm_dtype", row.get("dtype")))
 
             for row in table.GLOBAL:
                 if not applies(row, cfg):
@@ -418,14 +420,14 @@ class VllmLayout:
                 vrow = dict(row, vllm=row["vllm_tied"]) if cfg.tie_embeddings and "vllm_tied" in row else row
                 name = self._name(vrow, names)
                 self._logical[name] = ("", vrow)
-                add(name, *self._rule(vrow["vllm"][1], name, [row["hf"]], tp_rank, rank))
+                add(vrow, name, *self._rule(vrow["vllm"][1], name, [row["hf"]], tp_rank, rank))
             for i in range(cfg.layers):
                 pre = table.LAYER_PREFIX_HF.format(i=i)
                 for row in layer_rows(table, cfg, i):
                     vname = pre + self._name(row, names)
                     self._logical[vname] = (pre, row)
                     hfn = [pre + n for n in _as_tuple(row["hf"])]
-                    add(vname, *self._rule(row["vllm"][1], vname, hfn, tp_rank, rank))
+                    add(row, vname, *self._rule(row["vllm"][1], vname, hfn, tp_rank, rank))
             self.ranks.append(tensors)
         # extra non-parameter entries the version's loader requires (same on every rank): (name, shape, dtype, value)
         self.buffers: list[tuple] = []
