@@ -5,6 +5,9 @@ a real ``GPTModel`` under gloo, ask it for ``sharded_state_dict()``, and call ``
 save/load.  Megatron assumes CUDA in a few places; this module patches exactly those:
 
 * ``torch.cuda.synchronize`` -> no-op, ``torch.cuda.current_device`` -> ``'cpu'``.
+* ``Tensor.cuda()`` -> the tensor itself when torch has no CUDA: with tied embeddings at PP > 1,
+  language_module.py ``setup_embeddings_and_output_layer`` moves the shared weight with ``.cuda()`` before its
+  all-reduce over the embedding group.
 * megatron's ``filesystem_async`` calls torch's ``_write_item`` without the ``serialization_format``
   argument that torch >= 2.8 requires; we pass ``SerializationFormat.TORCH_SAVE`` (what torch itself uses
   by default).
@@ -28,6 +31,8 @@ def apply() -> None:
     _PATCHED = True
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    if not torch.cuda.is_available():
+        torch.Tensor.cuda = lambda self, *a, **k: self
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as mfa
     from torch.distributed.checkpoint import filesystem as tfs

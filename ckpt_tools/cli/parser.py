@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+import converters
 from converters import vllm_names
 
 from ..core import numbers
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dist(p)
 
     p = sub.add_parser("plan", help="dry run from a config: stages, bytes per rank and file, time estimate")
-    p.add_argument("--config", required=True, help="HF config.json / model dir, or the preset 'qwen3-235b-a22b'")
+    p.add_argument("--config", required=True, help="HF config.json / model dir, or a preset: " + ", ".join(sorted(converters.presets())))
     _add_megatron_topology(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--disk-gbps", type=POSITIVE, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "

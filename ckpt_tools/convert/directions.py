@@ -59,7 +59,7 @@ def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_s
     info = {}
 
     def destination(view):
-        dt = _dtype(dtype, None) or _key_dtypes(layout, view)
+        dt = _fixed_dtypes(layout.tensors, _dtype(dtype, None) or _key_dtypes(layout, view))
         info.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
         side = {"source": os.path.abspath(src), "spec": spec, "dtype": info["dtype"], "pp": par.pp, "tp": par.tp,
                 "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage), "world": par.world,
@@ -99,6 +99,15 @@ def _key_dtypes(layout, view):
     return {k: widest(v) for k, v in srcs.items()}.__getitem__
 
 
+def _fixed_dtypes(tensors: dict, dt):
+    """``dt`` (a dtype, or key -> dtype) except for the tensors whose table row fixes their dtype (the router's fp32
+    expert bias): key -> dtype."""
+    fixed = {k: getattr(torch, ts.dtype) for k, ts in tensors.items() if ts.dtype}
+    if not fixed:
+        return dt
+    return lambda key: fixed.get(key) or (dt(key) if callable(dt) else dt)
+
+
 def _dt_name(dt, keys) -> str:
     """'torch.bfloat16', or for per-tensor dtypes the set, e.g. 'torch.bfloat16+torch.float32'."""
     if not callable(dt):
@@ -135,9 +144,9 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
 def _dropped(view) -> list:
     """The source's entries a model-weights-only output leaves out (optimizer state, rng, ...)."""
     p = view.ckpt.prefix
+    roots = tuple(p + k[len(p):].split(".")[0] + "." for k in view.layout.tensors)  # embedding, decoder, mtp, ...
     return sorted(set(view.ckpt.tensors) - set(view.layout.tensors)) + sorted(
-        o for o in view.ckpt.objects if not o.startswith(p + "decoder.") and not o.startswith(p + "embedding.")
-        and not o.startswith(p + "output_layer."))
+        o for o in view.ckpt.objects if not o.startswith(roots))
 
 
 def _hf_ops(view, name, rec) -> list:
@@ -209,6 +218,8 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
             raise FormatError("--from must be an HF or a Megatron checkpoint")
 
         def dt_of(ts):
+            if ts.dtype:  # fixed by the table (vLLM's fp32 router weights)
+                return getattr(torch, ts.dtype)
             return dt or widest(view.dtype_of(sg.hf) for sg in ts.segments) or torch.bfloat16
 
         return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,

@@ -195,7 +195,7 @@ class TorchDistDestination(Destination):
         obj_payload = _save_bytes([None])
         by_rank_objs = defaultdict(list)
         for key, shape, offset in layout.objects:
-            by_rank_objs[layout.object_owner(shape, offset)].append((key, shape, offset))
+            by_rank_objs[layout.object_owner(key, shape, offset)].append((key, shape, offset))
         ranks = sorted({c.rank for c in chunks} | set(by_rank_objs))
         fname = {r: f"__{r}_0.distcp" for r in ranks}
         pos = defaultdict(int)

@@ -27,6 +27,7 @@ from ..layout import (
     box_shape,
     box_shift,
     box_slices,
+    detect_spec,
     full_box,
     hf_shapes,
     vllm_parallel,
@@ -121,12 +122,6 @@ class HFView:
         return []
 
 
-def detect_spec(keys, prefix: str) -> str:
-    """Weight-name spec: ``te`` names (TE and MindSpeed loaders) or ``local``. Which loaders' _extra_state
-    objects are present is a separate question: :meth:`McoreView.loaders`."""
-    return "te" if any(k == prefix + "decoder.layers.pre_mlp_layernorm.weight" for k in keys) else "local"
-
-
 class McoreView:
     kind = "mcore"
 
@@ -135,7 +130,7 @@ class McoreView:
         self.path, self.cfg = path, cfg
         self.ckpt = TorchDistReader(path, prefix=prefix, cache_bytes=cache_bytes)
         keys = set(self.ckpt.model_keys())
-        self.spec = spec or detect_spec(keys, self.ckpt.prefix)
+        self.spec = spec or detect_spec(cfg, keys, self.ckpt.prefix) or "te"
         self.layout = MegatronLayout(cfg, self.spec, None, prefix=self.ckpt.prefix)
         self.shapes = hf_shapes(cfg)
         problems = []

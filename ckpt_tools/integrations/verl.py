@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import numbers
-from ..layout import MegatronParallel
+from ..layout import MegatronParallel, detect_spec
 from ..layout.model_config import config_from_dict
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
 from ..sync.comm import _comm, _exchange_summaries
@@ -88,12 +88,7 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
         raise SyncError(f"weight sync: world size {world} is not a multiple of the rollout's {vpar.describe()}")
     # what only some ranks see: the layer spec (TE names pre_mlp_layernorm; the local spec folds it into fc1)
     # and megatron's padded vocab rows (first / last stage)
-    mine = {"spec": None, "vocab_rows": None}
-    for (key, box) in local_chunks(manager.actor_module):
-        if key.startswith("decoder.layers.pre_mlp_layernorm."):
-            mine["spec"] = "te"
-        elif key.startswith("decoder.layers.mlp.linear_fc1.layer_norm_weight") and cfg.is_moe:
-            mine["spec"] = "local"
+    mine = {"spec": detect_spec(cfg, {key for key, _ in local_chunks(manager.actor_module)}), "vocab_rows": None}
     for v in _global_shapes(manager.actor_module):
         mine["vocab_rows"] = v
     # one monitored all-gather on the control group (a dead peer is a one-line SyncError, not a hang)

@@ -8,6 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import converters
+from converters import vllm_names
 
 from ..core import numbers
 from .boxes import Segment, full_box
@@ -23,7 +24,16 @@ from .topology import (
     vllm_expert_range,
 )
 
-SPECS = ("te", "local", "mindspeed")  # loader specs: converters/*.py EXTRA_STATE / WEIGHT_NAMES
+SPECS = ("te", "local", "mindspeed")  # loader specs: converters/common.py EXTRA_STATE / WEIGHT_NAMES
+
+# megatron-core 0.12.1 key prefixes: TransformerBlock.sharded_state_dict (transformer_block.py) keys its layers
+# ``decoder.layers.`` with a prepended layer axis when they are homogeneous, ``decoder.layers.{i}.`` (global layer
+# index, no layer axis) when ``moe_layer_freq`` is a list or an int > 1 (``non_homogeneous_layers``);
+# MultiTokenPredictionBlock.sharded_state_dict (multi_token_prediction.py) keys MTP layer k ``mtp.layers.{k}.`` (no
+# layer axis, last pipeline stage only: get_mtp_num_layers_to_build), its decoder layer ``transformer_layer.``.
+MCORE_LAYERS = "decoder.layers."
+MCORE_MTP = "mtp.layers.{k}."
+MCORE_MTP_LAYER = "transformer_layer."
 
 
 @dataclass
@@ -32,55 +42,53 @@ class TensorSpec:
     shape: tuple
     segments: list = field(default_factory=list)  # Segment, key == name
     zeros: list = field(default_factory=list)  # boxes that hold padding (zeros), not HF data
+    dtype: str | None = None  # the dtype this tensor is written in whatever --dtype says (torch.<name>), if fixed
 
 
 def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def _check_uniform(cfg: ModelConfig):
-    if cfg.is_moe and len(cfg.moe_layers) != cfg.layers:
-        raise LayoutError("mixed dense/MoE layers (decoder_sparse_step != 1 or mlp_only_layers) are not supported")
-
-
-def _where_ok(row, cfg: ModelConfig) -> bool:
+def applies(row: dict, cfg: ModelConfig, layer: int | None = None) -> bool:
+    """Does table row ``row`` exist for this config (and, for a layer row, in layer ``layer``)?"""
+    when = row.get("when")
+    if when is not None and not cfg.has(when):
+        return False
+    if row.get("untied") and cfg.tie_embeddings:
+        return False
     w = row.get("where")
-    if w in ("moe", "expert"):
-        return cfg.is_moe
-    if w == "dense":
-        return not cfg.is_moe
-    return True
+    if w is None or layer is None:
+        return True
+    return cfg.layer_is_moe(layer) == (w in ("moe", "expert"))
+
+
+def row_shapes(row: dict, cfg: ModelConfig) -> list:
+    """[(HF name as in the row, shape)] of a table row: ``shape`` is one function of the config for all its names
+    or one per name."""
+    names = _as_tuple(row["hf"])
+    fns = row["shape"] if isinstance(row["shape"], tuple) else (row["shape"],) * len(names)
+    return [(n, tuple(int(x) for x in fn(cfg))) for n, fn in zip(names, fns)]
+
+
+def layer_rows(table, cfg: ModelConfig, i: int) -> list:
+    """The rows of layer ``i`` (an MTP layer's own rows first, then its decoder layer's)."""
+    rows = (list(getattr(table, "MTP", ())) if i >= cfg.layers else []) + list(table.LAYER)
+    return [r for r in rows if applies(r, cfg, i)]
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Name -> shape of every tensor an HF checkpoint of this model holds."""
-    H, d = cfg.hidden, cfg.head_dim
     table = converters.get(cfg.model_type)
-    out = {"model.embed_tokens.weight": (cfg.vocab, H), "model.norm.weight": (H,)}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = (cfg.vocab, H)
-    per = {
-        "self_attn.q_proj.weight": (cfg.heads * d, H), "self_attn.k_proj.weight": (cfg.kv_heads * d, H),
-        "self_attn.v_proj.weight": (cfg.kv_heads * d, H), "self_attn.o_proj.weight": (H, cfg.heads * d),
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-        "mlp.gate.weight": (cfg.experts, H),
-        "mlp.experts.{e}.gate_proj.weight": (cfg.moe_ffn, H), "mlp.experts.{e}.up_proj.weight": (cfg.moe_ffn, H),
-        "mlp.experts.{e}.down_proj.weight": (H, cfg.moe_ffn),
-        "mlp.gate_proj.weight": (cfg.ffn, H), "mlp.up_proj.weight": (cfg.ffn, H), "mlp.down_proj.weight": (H, cfg.ffn),
-    }
-    for i in range(cfg.layers):
-        for row in table.LAYER:
-            if not _where_ok(row, cfg):
-                continue
-            for name in _as_tuple(row["hf"]):
-                shp = per[name]
-                pre = table.LAYER_PREFIX_HF.format(i=i)
-                if "{e}" in name:
-                    for e in range(cfg.experts):
-                        out[pre + name.format(e=e)] = shp
-                else:
-                    out[pre + name] = shp
+    out = {}
+    for row in table.GLOBAL:
+        if applies(row, cfg):
+            out.update(row_shapes(row, cfg))
+    for i in range(cfg.layers + cfg.mtp_layers):
+        pre = table.LAYER_PREFIX_HF.format(i=i)
+        for row in layer_rows(table, cfg, i):
+            for name, shp in row_shapes(row, cfg):
+                for e in (range(cfg.experts) if "{e}" in name else [None]):
+                    out[pre + (name.format(e=e) if e is not None else name)] = shp
     return out
 
 
@@ -95,7 +103,7 @@ def _compose(cfg: ModelConfig, compose: str, hf_names, hf_shape) -> tuple[int, l
             out.append((n, (0, rows), r))
             r += rows
         return r, out
-    if compose == "qkv":
+    if compose == "qkv":  # weight rows or bias elements alike
         q, k, v = hf_names
         d, ng = cfg.head_dim, cfg.kv_heads
         qpg = cfg.heads // ng
@@ -121,6 +129,11 @@ def _segments_for(key: str, lead: tuple, parts, trailing_cols) -> list[Segment]:
     return segs
 
 
+def _object_names(es: dict, kind: str, cfg: ModelConfig) -> list:
+    """EXTRA_STATE entries of ``kind``: a name, or (name, feature) for an object only a config with the feature has."""
+    return [n if isinstance(n, str) else n[0] for n in es.get(kind, ()) if isinstance(n, str) or cfg.has(n[1])]
+
+
 class MegatronLayout:
     """Megatron-core dist-checkpoint layout of a model: keys, global shapes, segments and (given a
     topology) the chunks megatron-core would save and the rank that writes each."""
@@ -129,12 +142,11 @@ class MegatronLayout:
                  vocab_size_divisible_by: int | None = None, prefix: str = ""):
         if spec not in SPECS:
             raise LayoutError(f"--spec must be one of {SPECS} (got {spec!r})")
-        _check_uniform(cfg)
         self.cfg, self.spec, self.par, self.prefix = cfg, spec, par, prefix
-        table = converters.get(cfg.model_type)
+        table = self.table = converters.get(cfg.model_type)
         shapes = hf_shapes(cfg)
         self.hf_shapes = shapes
-        L, E = cfg.layers, cfg.experts
+        L = cfg.layers
         vocab_rows = cfg.vocab
         if vocab_size_divisible_by is not None:
             m = numbers.check(vocab_size_divisible_by, numbers.COUNT, "--make-vocab-size-divisible-by", LayoutError)
@@ -142,10 +154,11 @@ class MegatronLayout:
         self.padded_vocab = vocab_rows
         self.tensors: dict[str, TensorSpec] = {}
         self._rows: dict[str, dict] = {}
+        self._place: dict[str, tuple] = {}  # key -> ("global", None) | ("stacked", None) | ("layer", i) | ("mtp", k)
         for row in table.GLOBAL:
-            hf = row["hf"]
-            if hf == "lm_head.weight" and cfg.tie_embeddings:
+            if not applies(row, cfg):
                 continue
+            hf = row["hf"]
             key = prefix + row["mcore"]
             shp = list(shapes[hf])
             if row.get("vocab"):
@@ -155,44 +168,86 @@ class MegatronLayout:
                                         shapes[hf][1] if len(shapes[hf]) > 1 else None)
             self.tensors[key] = ts
             self._rows[key] = row
-        for row in table.LAYER:
-            if not _where_ok(row, cfg):
-                continue
-            mk = row["mcore"]
-            mk = mk[table.WEIGHT_NAMES[spec]] if isinstance(mk, dict) else mk
-            key = prefix + table.LAYER_PREFIX_MCORE + mk
-            names = _as_tuple(row["hf"])
-            compose = row.get("compose", "same")
-            expert = row.get("where") == "expert"
-            segs = []
+            self._place[key] = ("global", None)
+        pre = table.LAYER_PREFIX_HF
+        if not cfg.mixed:  # every layer alike: one key per row, the layer axis prepended
+            for row in layer_rows(table, cfg, 0) if L else ():
+                self._add(prefix + MCORE_LAYERS, row, [(i, pre.format(i=i)) for i in range(L)], ("stacked", None))
+        else:
             for i in range(L):
-                pre = table.LAYER_PREFIX_HF.format(i=i)
-                for e in (range(E) if expert else [None]):
-                    hfn = [pre + (n.format(e=e) if e is not None else n) for n in names]
-                    rows, parts = _compose(cfg, compose, hfn, shapes)
-                    s0 = shapes[hfn[0]]
-                    cols = s0[1] if len(s0) > 1 else None
-                    lead = (i, e) if expert else (i,)
-                    segs.extend(_segments_for(key, lead, parts, cols))
-            per_shape = (rows,) + ((cols,) if cols is not None else ())
-            ts = TensorSpec(key, ((L, E) if expert else (L,)) + per_shape, segs)
-            self.tensors[key] = ts
-            self._rows[key] = row
-        # _extra_state objects
-        es = table.EXTRA_STATE[spec]
-        self.objects: list[tuple[str, tuple, tuple]] = []  # (key, global_shape, offset)
-        layer_objs = list(es["layer"]) + list(es.get("layer_moe" if cfg.is_moe else "layer_dense", []))
-        for name in layer_objs:
-            for i in range(L):
-                self.objects.append((prefix + table.LAYER_PREFIX_MCORE + name, (L,), (i,)))
-        if cfg.is_moe:
-            for name in es["expert"]:
-                for i in range(L):
-                    for e in range(E):
-                        self.objects.append((prefix + table.LAYER_PREFIX_MCORE + name, (L, E), (i, e)))
-        for name in es["global"]:
-            self.objects.append((prefix + name, (1,), (0,)))
+                for row in layer_rows(table, cfg, i):
+                    self._add(prefix + f"{MCORE_LAYERS}{i}.", row, [(i, pre.format(i=i))], ("layer", i))
+        mtp_rows = list(getattr(table, "MTP", ()))
+        for k in range(cfg.mtp_layers):
+            i = L + k
+            for row in layer_rows(table, cfg, i):
+                base = prefix + MCORE_MTP.format(k=k) + ("" if row in mtp_rows else MCORE_MTP_LAYER)
+                self._add(base, row, [(i, pre.format(i=i))], ("mtp", k))
+        self._objects(table.EXTRA_STATE[spec], getattr(table, "MTP_EXTRA_STATE", {}).get(spec, ()))
         self._index = None
+
+    def _add(self, base: str, row: dict, layers: list, place: tuple):
+        """Megatron key ``base`` + the row's name, from layers [(index, HF prefix)] (several: stacked)."""
+        cfg, shapes = self.cfg, self.hf_shapes
+        mk = row["mcore"]
+        key = base + (mk[self.table.WEIGHT_NAMES[self.spec]] if isinstance(mk, dict) else mk)
+        names = _as_tuple(row["hf"])
+        expert = row.get("where") == "expert"
+        stacked = place[0] == "stacked"
+        segs = []
+        for i, hpre in layers:
+            for e in (range(cfg.experts) if expert else [None]):
+                hfn = [hpre + (n.format(e=e) if e is not None else n) for n in names]
+                rows, parts = _compose(cfg, row.get("compose", "same"), hfn, shapes)
+                s0 = shapes[hfn[0]]
+                cols = s0[1] if len(s0) > 1 else None
+                lead = ((i,) if stacked else ()) + ((e,) if expert else ())
+                segs.extend(_segments_for(key, lead, parts, cols))
+        lead_shape = ((cfg.layers,) if stacked else ()) + ((cfg.experts,) if expert else ())
+        self.tensors[key] = TensorSpec(key, lead_shape + (rows,) + ((cols,) if cols is not None else ()), segs,
+                                       dtype=row.get("dtype"))
+        self._rows[key] = row
+        self._place[key] = place
+
+    def _objects(self, es: dict, mtp_es):
+        """The spec's ``_extra_state`` objects: (key, global shape, offset) in ``self.objects`` and who writes
+        each (megatron's ShardedObject for a layer-axis-free key: shape (1,), offset (0,); an expert's: its
+        global expert axis only; transformer/utils.py make_sharded_object_for_checkpoint)."""
+        cfg, p, L, E = self.cfg, self.prefix, self.cfg.layers, self.cfg.experts
+        self.objects: list[tuple[str, tuple, tuple]] = []  # (key, global_shape, offset)
+        self._owners: dict[tuple, tuple] = {}  # (key, offset) -> (stage: int | "last", ep rank position or None)
+
+        def add(key, shape, offset, stage, expert=None):
+            self.objects.append((key, shape, offset))
+            self._owners[(key, offset)] = (stage, expert)
+
+        def layer_kind(i):
+            return "layer_moe" if cfg.layer_is_moe(i) else "layer_dense"
+
+        if not cfg.mixed:  # name-major, the layer (and expert) axes prepended
+            kinds = ["layer", layer_kind(0)] if L else []
+            for name in [n for kd in kinds for n in _object_names(es, kd, cfg)]:
+                for i in range(L):
+                    add(p + MCORE_LAYERS + name, (L,), (i,), ("layer", i))
+            if cfg.layer_is_moe(0):
+                for name in _object_names(es, "expert", cfg):
+                    for i in range(L):
+                        for e in range(E):
+                            add(p + MCORE_LAYERS + name, (L, E), (i, e), ("layer", i), e)
+        bases = [] if not cfg.mixed else [(p + f"{MCORE_LAYERS}{i}.", i, ("layer", i)) for i in range(L)]
+        bases += [(p + MCORE_MTP.format(k=k) + MCORE_MTP_LAYER, L + k, ("mtp", k)) for k in range(cfg.mtp_layers)]
+        for base, i, place in bases:
+            for name in _object_names(es, "layer", cfg) + _object_names(es, layer_kind(i), cfg):
+                add(base + name, (1,), (0,), place)
+            if cfg.layer_is_moe(i):
+                for name in _object_names(es, "expert", cfg):
+                    for e in range(E):
+                        add(base + name, (E,), (e,), place, e)
+        for k in range(cfg.mtp_layers):
+            for name in _object_names({"mtp": mtp_es}, "mtp", cfg):
+                add(p + MCORE_MTP.format(k=k) + name, (1,), (0,), ("mtp", k))
+        for name in _object_names(es, "global", cfg):
+            add(p + name, (1,), (0,), ("global", None))
 
     # ------------------------------------------------------------------------------------------
     def segment_index(self) -> dict:
@@ -218,6 +273,14 @@ class MegatronLayout:
         ts = self.tensors[key]
         return len(ts.shape) - len(self.hf_shapes[ts.segments[0].hf])
 
+    def _stage(self, place: tuple, row: dict | None = None, layer: int | None = None) -> int:
+        kind, v = place
+        if kind == "global":
+            return 0 if row is not None and row.get("stage") == "first" else self.par.pp - 1
+        if kind == "mtp":
+            return self.par.pp - 1  # multi_token_prediction.py get_mtp_num_layers_to_build: the last stage only
+        return self.par.stage_of_layer(v if kind == "layer" else layer)
+
     def chunks(self) -> list[Chunk]:
         """Every chunk megatron-core saves at ``self.par`` (each element of each key exactly once)."""
         par = self.par
@@ -225,32 +288,34 @@ class MegatronLayout:
             raise LayoutError("no target topology given")
         self.validate()
         out = []
-        offsets = par.stage_offsets()
         for key, ts in self.tensors.items():
-            row = self._rows[key]
+            row, place = self._rows[key], self._place[key]
             nlead = self.nlead(key)
             expert = row.get("where") == "expert"
             group = "expert" if expert else "dense"
-            if nlead == 0:
-                stage = 0 if row.get("stage") == "first" else par.pp - 1
-                out.extend(megatron_chunks(key, ts.shape, (), row["shard"], group, par, stage))
+            if place[0] != "stacked":
+                stage = self._stage(place, row)
+                for e in (range(self.cfg.experts) if expert else [None]):
+                    lead = (e,) if expert else ()
+                    out.extend(megatron_chunks(key, ts.shape, lead, row["shard"], group, par, stage))
                 continue
+            assert nlead >= 1
             for i in range(self.cfg.layers):
-                stage = par.stage_of_layer(i)
-                assert offsets[stage] <= i
+                stage = self._stage(place, layer=i)
                 for e in (range(self.cfg.experts) if expert else [None]):
                     lead = (i, e) if expert else (i,)
                     out.extend(megatron_chunks(key, ts.shape, lead, row["shard"], group, par, stage))
         return out
 
-    def object_owner(self, shape: tuple, offset: tuple) -> int:
+    def object_owner(self, key: str, shape: tuple, offset: tuple) -> int:
+        """The rank that writes object ``key`` at ``offset``: an expert's on the expert grid (ETP rank 0,
+        expert-DP replica 0), the others on TP rank 0 of their stage (DP replica 0)."""
         par = self.par
-        if len(shape) == 2:  # expert-level: expert grid, ETP rank 0, expert-DP replica 0
-            local = self.cfg.experts // par.ep
-            return par.expert_rank(par.stage_of_layer(offset[0]), 0, offset[1] // local)
-        if shape == (1,):  # decoder.final_layernorm._extra_state: last stage
-            return par.dense_rank(par.pp - 1, 0)
-        return par.dense_rank(par.stage_of_layer(offset[0]), 0)
+        place, expert = self._owners[(key, offset)]
+        stage = self._stage(place)
+        if expert is not None:
+            return par.expert_rank(stage, 0, expert // (self.cfg.experts // par.ep))
+        return par.dense_rank(stage, 0)
 
     def validate(self):
         """Up-front topology checks, each a one-line error naming the flag."""
@@ -270,7 +335,10 @@ class MegatronLayout:
                 raise LayoutError(f"num_experts ({cfg.experts}) is not divisible by --ep ({par.ep})")
             if cfg.moe_ffn % par.etp:
                 raise LayoutError(f"moe_intermediate_size ({cfg.moe_ffn}) is not divisible by --etp ({par.etp})")
-        elif cfg.ffn % par.tp:
+            if cfg.shared_ffn % par.tp:
+                raise LayoutError(f"the shared experts' intermediate size ({cfg.shared_ffn}) is not divisible by "
+                                  f"--tp ({par.tp})")
+        if (not cfg.is_moe or cfg.mixed) and cfg.ffn % par.tp:
             raise LayoutError(f"intermediate_size ({cfg.ffn}) is not divisible by --tp ({par.tp})")
         if par.ep > 1 and not cfg.is_moe:
             raise LayoutError("--ep > 1 needs an MoE model")
@@ -282,16 +350,32 @@ class MegatronLayout:
         return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
+def detect_spec(cfg: ModelConfig, keys, prefix: str = "") -> str | None:
+    """Which loader spec's weight names ``keys`` (all or some of a checkpoint's or a live model's keys) hold: "te"
+    (TE and MindSpeed name the pre-MLP norm of MoE layers ``pre_mlp_layernorm``) or "local" (which maps it into
+    ``mlp.linear_fc1``), decided by the keys only one of the two layouts has; None when ``keys`` hold none of them
+    (a dense model: the names agree)."""
+    te = set(MegatronLayout(cfg, "te", prefix=prefix).tensors)
+    local = set(MegatronLayout(cfg, "local", prefix=prefix).tensors)
+    keys = set(keys)
+    if keys & (te - local):
+        return "te"
+    if keys & (local - te):
+        return "local"
+    return None
+
+
 class VllmLayout:
-    """Per-rank vLLM parameters of Qwen3-MoE, in checkpoint format (what ``load_weights`` produces).
+    """Per-rank vLLM parameters of the model (the main model: MTP layers are vLLM's separate draft model,
+    skipped by the main model's loader), in checkpoint format (what ``load_weights`` produces).
 
     Rules, read from vLLM's source (vllm-project/vllm, vllm/model_executor/...):
-    * ``qkv`` (layers/linear.py QKVParallelLinear + models/qwen3_moe.py Qwen3MoeAttention): rank r holds
-      q heads [r*nq/t, (r+1)*nq/t) then its kv heads: if t >= nkv one kv head, index r // (t // nkv)
+    * ``qkv`` (layers/linear.py QKVParallelLinear, weight and bias alike): rank r holds q heads
+      [r*nq/t, (r+1)*nq/t) then its kv heads: if t >= nkv one kv head, index r // (t // nkv)
       (replicated t // nkv times), else heads [r*nkv/t, (r+1)*nkv/t); layout [q | k | v].
     * ``col`` (RowParallelLinear): input dim split in t equal parts.
-    * ``gate_up`` (MergedColumnParallelLinear): [gate part r; up part r].
-    * ``rep``: ReplicatedLinear / RMSNorm: full tensor on every rank.
+    * ``gate_up`` (MergedColumnParallelLinear): [gate part r; up part r] (dense MLPs and shared experts).
+    * ``rep``: ReplicatedLinear / RMSNorm / the router's bias: full tensor on every rank.
     * ``vocab`` (layers/vocab_parallel_embedding.py): vocab padded to a multiple of 64, rank r holds rows
       [r*P, (r+1)*P) of the padded table (P = padded / t); rows >= vocab are padding (zeros).
     * ``w13`` / ``w2`` (layers/fused_moe/layer.py FusedMoE, unquantized): experts of this rank (all, or
@@ -302,10 +386,8 @@ class VllmLayout:
     def __init__(self, cfg: ModelConfig, par: VllmParallel, names: dict | None = None):
         """``names``: one vLLM version's table from converters/vllm_names.py (its names and extra buffers);
         None keeps the model table's logical names and adds no buffers."""
-        _check_uniform(cfg)
         table = converters.get(cfg.model_type)
         self.cfg, self.par, self.names = cfg, par, names
-        rename = names["rename"] if names else {}
         self.hf_shapes = hf_shapes(cfg)
         t = par.tp
         if cfg.heads % t:
@@ -324,35 +406,50 @@ class VllmLayout:
         self.dp_ranks_differ = par.dp > 1 and cfg.is_moe
         self.ranks: list[dict[str, TensorSpec]] = []
         self.padded_vocab, self.vocab_per_rank = pad_vocab(cfg.vocab, t)
+        self._logical: dict[str, tuple] = {}  # this layout's name -> (layer prefix, row)
         for rank in range(par.world):
             tp_rank = rank % t
             tensors = {}
 
-            def add(name, shape, segs, zeros=()):
-                tensors[name] = TensorSpec(name, tuple(shape), segs, list(zeros))
+            def add(row, name, shape, segs, zeros=()):
+                tensors[name] = TensorSpec(name, tuple(shape), segs, list(zeros), row.get("vllm_dtype", row.get("dtype")))
 
             for row in table.GLOBAL:
-                hf = row["hf"]
-                if hf == "lm_head.weight" and cfg.tie_embeddings:
+                if not applies(row, cfg):
                     continue
-                name, rule = row["vllm"]
-                name = rename.get(name, name)
-                add(name, *self._rule(rule, name, [hf], tp_rank, rank))
+                vrow = dict(row, vllm=row["vllm_tied"]) if cfg.tie_embeddings and "vllm_tied" in row else row
+                name = self._name(vrow, names)
+                self._logical[name] = ("", vrow)
+                add(vrow, name, *self._rule(vrow["vllm"][1], name, [row["hf"]], tp_rank, rank))
             for i in range(cfg.layers):
                 pre = table.LAYER_PREFIX_HF.format(i=i)
-                for row in table.LAYER:
-                    if not _where_ok(row, cfg):
-                        continue
-                    vname, rule = row["vllm"]
-                    vname = rename.get(vname, vname)
+                for row in layer_rows(table, cfg, i):
+                    vname = pre + self._name(row, names)
+                    self._logical[vname] = (pre, row)
                     hfn = [pre + n for n in _as_tuple(row["hf"])]
-                    add(pre + vname, *self._rule(rule, pre + vname, hfn, tp_rank, rank))
+                    add(row, vname, *self._rule(row["vllm"][1], vname, hfn, tp_rank, rank))
             self.ranks.append(tensors)
         # extra non-parameter entries the version's loader requires (same on every rank): (name, shape, dtype, value)
         self.buffers: list[tuple] = []
         for bname, shape, dtype, value in (names["buffers"] if names else []):
             for i in range(cfg.layers):
                 self.buffers.append((table.LAYER_PREFIX_HF.format(i=i) + bname, tuple(shape), dtype, value))
+
+    @staticmethod
+    def _name(row: dict, names: dict | None) -> str:
+        """vLLM's name of a row in version table ``names`` (None: the logical name): the row's own name for that
+        version, else the version's renames every family shares (converters/vllm_names.py), else the logical."""
+        logical = row["vllm"][0]
+        if names is None:
+            return logical
+        at = row.get("vllm_at", {})
+        if names["version"] in at:
+            return at[names["version"]]
+        return vllm_names.renamed(names, logical)
+
+    def renamed(self, names: dict) -> dict:
+        """{this layout's name: that name in version table ``names``} (the sync's live parameter names)."""
+        return {n: pre + self._name(row, names) for n, (pre, row) in self._logical.items()}
 
     def _rule(self, rule, name, hfn, tp_rank, rank):
         cfg, par, shapes = self.cfg, self.par, self.hf_shapes
@@ -375,10 +472,10 @@ class VllmLayout:
             if n:
                 segs.append(Segment(hfn[0], ((a, b), (0, H)), name, ((0, n), (0, H))))
             return (P, H), segs, ([((n, P), (0, H))] if n < P else [])
-        if rule == "qkv":
+        if rule == "qkv":  # the weight, or its bias (no column axis)
             q, k, v = hfn
             d, nq, nkv = cfg.head_dim, cfg.heads, cfg.kv_heads
-            H = cfg.hidden
+            cols = tuple((0, x) for x in shapes[q][1:])
             qa, qb = split_range(nq, t, "--tp", "num_attention_heads")[tp_rank]
             if t >= nkv:
                 ka = tp_rank // (t // nkv)
@@ -386,15 +483,14 @@ class VllmLayout:
             else:
                 ka, kb = split_range(nkv, t, "--tp", "num_key_value_heads")[tp_rank]
             qrows, krows = (qb - qa) * d, (kb - ka) * d
-            segs.append(Segment(q, ((qa * d, qb * d), (0, H)), name, ((0, qrows), (0, H))))
-            segs.append(Segment(k, ((ka * d, kb * d), (0, H)), name, ((qrows, qrows + krows), (0, H))))
-            segs.append(Segment(v, ((ka * d, kb * d), (0, H)), name,
-                                ((qrows + krows, qrows + 2 * krows), (0, H))))
-            return (qrows + 2 * krows, H), segs
+            segs.append(Segment(q, ((qa * d, qb * d),) + cols, name, ((0, qrows),) + cols))
+            segs.append(Segment(k, ((ka * d, kb * d),) + cols, name, ((qrows, qrows + krows),) + cols))
+            segs.append(Segment(v, ((ka * d, kb * d),) + cols, name, ((qrows + krows, qrows + 2 * krows),) + cols))
+            return (qrows + 2 * krows,) + shapes[q][1:], segs
         if rule == "gate_up":
             g, u = hfn
             F, H = shapes[g]
-            a, b = split_range(F, t, "--tp", "intermediate_size")[tp_rank]
+            a, b = split_range(F, t, "--tp", f"{g} rows")[tp_rank]
             n = b - a
             segs.append(Segment(g, ((a, b), (0, H)), name, ((0, n), (0, H))))
             segs.append(Segment(u, ((a, b), (0, H)), name, ((n, 2 * n), (0, H))))

@@ -121,21 +121,20 @@ def problems(model, cfg, vpar, local: int) -> str:
 
 
 class LiveParams:
-    """The live vLLM parameters of this rank by the schedule layout's logical names (renamed for the installed
-    vLLM version's table, converters/vllm_names.py)."""
+    """The live vLLM parameters of this rank by the schedule layout's logical names (``layout``: the schedule's
+    VllmLayout; its names in the installed vLLM version's table, converters/vllm_names.py, where they differ)."""
 
-    def __init__(self, model, version: str | None = None):
+    def __init__(self, model, layout=None, version: str | None = None):
         try:
-            _, self.tab = vllm_names.table(version)
+            _, tab = vllm_names.table(version)
         except vllm_names.UnknownVersion:  # names of an unknown build: the logical names, as they are
-            self.tab = {"rename": {}}
+            tab = None
+        self.live_names = layout.renamed(tab) if layout is not None and tab is not None else {}
         self.params = dict(model.named_parameters(remove_duplicate=False))
 
     def get(self, logical: str):
         p = self.params.get(logical)
         if p is not None:
             return p
-        for old, new in self.tab["rename"].items():
-            if logical.endswith(old):
-                return self.params.get(logical[:-len(old)] + new)
-        return None
+        name = self.live_names.get(logical)
+        return self.params.get(name) if name is not None else None

@@ -84,7 +84,7 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
             if not problem:
                 vllm_live.reattach_weight_loaders(vllm_model)
             if not problem and verify:
-                live = vllm_live.LiveParams(vllm_model)
+                live = vllm_live.LiveParams(vllm_model, schedule.vlayout)
                 missing = [n for n in schedule.vlayout.ranks[local] if live.get(n) is None]
                 if missing:
                     problem = (f"the vLLM model on rank {rank} has no parameter {missing[0]} (nor its "

@@ -1,5 +1,5 @@
 """A real megatron-core 0.12.1 ``GPTModel`` on CPU, built once for every test that needs one (tests/mcore_worker.py,
-tests/sync_worker.py) from a HF ``config.json`` dict (Qwen3 / Qwen3-MoE). The CUDA assumptions it needs lifted are
+tests/sync_worker.py) from a HF ``config.json`` dict (any family the tables in converters/ serve). The CUDA assumptions it needs lifted are
 :mod:`ckpt_tools._mcore_cpu`'s plus megatron's CUDA RNG tracker (:func:`no_cuda_rng`, also used by
 tests/verl_shims.py for verl's own model builder)."""
 from __future__ import annotations
@@ -35,51 +35,85 @@ class GPT(NamedTuple):
     local_experts: int  # experts per EP rank (1 for a dense model)
 
 
+def transformer_kwargs(cfg) -> dict:
+    """megatron-core 0.12.1 TransformerConfig arguments for a model config (ckpt_tools.layout.ModelConfig), from the
+    table's features, as the Megatron-Bridge / verl recipes set them: q/k/v bias (add_qkv_bias), per-head q/k norms
+    (qk_layernorm), MoE (experts, topk; a list ``moe_layer_freq`` when dense and MoE layers mix), shared experts
+    (moe_shared_expert_intermediate_size), the router's expert bias (sigmoid scores + moe_router_enable_expert_bias,
+    transformer_config.py requires sigmoid for it; routed_scaling_factor as moe_router_topk_scaling_factor), MTP
+    layers (mtp_num_layers)."""
+    raw = cfg.raw
+    kw = dict(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+              num_query_groups=cfg.kv_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.ffn or cfg.moe_ffn,
+              qk_layernorm=cfg.has("qk_norm"), add_qkv_bias=cfg.has("qkv_bias"), add_bias_linear=False,
+              layernorm_epsilon=raw.get("rms_norm_eps", 1e-6))
+    if cfg.experts:
+        kw.update(num_moe_experts=cfg.experts, moe_ffn_hidden_size=cfg.moe_ffn, moe_router_topk=cfg.topk,
+                  moe_router_load_balancing_type="none", moe_router_pre_softmax=False,
+                  moe_token_dispatcher_type="allgather")
+        if cfg.mixed:
+            kw["moe_layer_freq"] = [int(cfg.layer_is_moe(i)) for i in range(cfg.layers)]
+        if cfg.shared_ffn:
+            kw["moe_shared_expert_intermediate_size"] = cfg.shared_ffn
+        if cfg.has("expert_bias"):
+            kw.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_router_topk_scaling_factor=raw.get("routed_scaling_factor") or None)
+    if cfg.mtp_layers:
+        kw["mtp_num_layers"] = cfg.mtp_layers
+    return kw
+
+
 def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
                     first: int | None = None, last: int | None = None) -> GPT:
-    """A megatron-core GPTModel (local spec: no Transformer Engine on CPU) for HF config ``hfcfg`` at TP x PP x EP
-    (ETP, default TP), fp32, on this process's existing default group (gloo); ``first`` / ``last``: layers of
-    the first / last pipeline stage (megatron's num_layers_in_first/last_pipeline_stage). MoE when the config
-    names experts (``num_experts`` / ``num_local_experts``), else dense."""
+    """A megatron-core GPTModel (local spec: no Transformer Engine on CPU) for HF config ``hfcfg`` (any family the
+    tables serve: :func:`transformer_kwargs`) at TP x PP x EP (ETP, default TP), fp32, on this process's existing
+    default group (gloo); ``first`` / ``last``: layers of the first / last pipeline stage (megatron's
+    num_layers_in_first/last_pipeline_stage)."""
     import torch.nn.functional as F
 
     from .. import _mcore_cpu
+    from ..layout.model_config import config_from_dict
 
     _mcore_cpu.apply()
     _mcore_cpu.allow_tp_ep_without_sp()
     no_cuda_rng()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    cfg = config_from_dict(hfcfg)
     etp = etp or tp
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    E = hfcfg.get("num_experts") or hfcfg.get("num_local_experts")
-    moe = dict(num_moe_experts=E, moe_ffn_hidden_size=hfcfg["moe_intermediate_size"],
-               moe_router_topk=hfcfg["num_experts_per_tok"], moe_router_load_balancing_type="none",
-               moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather") if E else {}
+    E = cfg.experts
     tc = TransformerConfig(
-        num_layers=hfcfg["num_hidden_layers"], hidden_size=hfcfg["hidden_size"],
-        num_attention_heads=hfcfg["num_attention_heads"], num_query_groups=hfcfg["num_key_value_heads"],
-        kv_channels=hfcfg["head_dim"], ffn_hidden_size=hfcfg["intermediate_size"], normalization="RMSNorm",
-        qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        layernorm_epsilon=hfcfg["rms_norm_eps"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        **transformer_kwargs(cfg), normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         # fused kernels are CUDA-only
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True, **moe)
+        gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm") if E else \
-        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    # transformers >= 5 writes rope_theta under rope_parameters
-    rope = hfcfg.get("rope_theta") or (hfcfg.get("rope_parameters") or {}).get("rope_theta")
-    model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=hfcfg["vocab_size"],
+        get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
+    extra = {}
+    if cfg.mtp_layers:
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False)
+    # transformers >= 5 writes rope_theta (and partial_rotary_factor) under rope_parameters
+    rp = hfcfg.get("rope_parameters") or {}
+    rope = hfcfg.get("rope_theta") or rp.get("rope_theta")
+    partial = hfcfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 1.0
+    model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=cfg.vocab,
                      max_sequence_length=hfcfg["max_position_embeddings"], pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", **({"rotary_base": int(rope)} if rope else {}))
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=cfg.tie_embeddings,
+                     position_embedding_type="rope", rotary_percent=float(partial),
+                     **({"rotary_base": int(rope)} if rope else {}), **extra)
     model.eval()
     ranks = (tp, ps.get_tensor_model_parallel_rank(), etp, ps.get_expert_tensor_parallel_rank(),
              ps.get_expert_model_parallel_rank())

