@@ -10,7 +10,9 @@ output file (a safetensors tensor; the data of one ``torch.save``'d dist-checkpo
   at ~0.7 GB/s on the 2-core CI machine, a reused buffer copies at ~12 GB/s): an op whose source and
   destination bytes are both contiguous (row ranges: most bytes of every direction) is read straight into
   place with ``preadv``; the rest (column slices - o_proj / down_proj under tensor parallelism - and dtype
-  casts) is *staged*: the source's contiguous span is read once and copied with strided torch copies.
+  casts) is *staged*: the source's contiguous span is read once and copied with strided torch copies. A
+  block-scaled FP8 source (``Rec.scale``) is staged with the matching box of its scale and dequantized into
+  place (:mod:`ckpt_tools.copy.dequant`: bf16 exactly as DeepSeek's reference computes it).
   Blocks that stage the same source are grouped into one unit so the source is read once;
 * writes each contiguous output run with O_DIRECT for its 4 KiB-aligned interior and buffered ``pwritev``
   for the edges (``direct=False``: all buffered, and pieces of ``CFR_MIN`` bytes or more go kernel-side
