@@ -4,6 +4,7 @@
     python scripts/bench.py                        # headline: 3 and 6 GB models, 3 alternating repeats
     python scripts/bench.py --quick                # ~1 GB, one repeat, no baseline: a smoke run
     python scripts/bench.py --distributed          # 3 GB: hf2mcore, mcore2hf, verify on 1, 2 and 4 processes
+    python scripts/bench.py --fp8                  # FP8 sources: dequant vs bf16 copy, 1 and 3 GB of FP8, RSS
 
 ``--procs 1 2 4`` runs every step that can (hf2mcore, mcore2hf, reshard, verify) also under ``torchrun
 --nproc-per-node N`` (ckpt_tools.dist: every rank writes its share) and prints each one's time as a
@@ -242,6 +243,77 @@ def _procs_table(rows, out=print):
                     f"{paired:>6.2f}")
 
 
+def fp8_bench(args):
+    """``--fp8``: FP8 dequantization's throughput next to a bf16 copy of the same bytes, in the same run.
+
+    (1) The kernel in memory, one thread: a (4096, 7168) float8_e4m3fn weight with 128x128 scales dequantized
+    into bf16 (ckpt_tools.copy.dequant) vs ``copy_`` of the same bf16 bytes. (2) Each ``--size-gb`` (GB of FP8
+    checkpoint, default 1 and 3 here): ``hf2mcore`` (TP4 EP4) of a synthetic FP8 checkpoint vs of the bf16
+    checkpoint of the same model (same output bytes), alternating, caches dropped; GB/s of output written, the
+    ratio, and each step's peak RSS (that it does not grow from 1 to 3 GB is the streaming claim)."""
+    import torch
+
+    from ckpt_tools.copy.dequant import dequant_into
+    from ckpt_tools.layout import hf_shapes
+    from ckpt_tools.layout.model_config import config_from_dict
+    from ckpt_tools.testing.synth import fp8_quantizable, make_synthetic_fp8, make_synthetic_hf
+
+    torch.set_num_threads(1)
+    x = (torch.randn(4096, 7168) * 100).to(torch.float8_e4m3fn)
+    s, out, b = torch.rand(32, 56) * 1e-3, torch.empty(4096, 7168, dtype=torch.bfloat16), torch.randn(4096, 7168).bfloat16()
+    box, t = ((0, 4096), (0, 7168)), {}
+    for name, fn in (("dequant", lambda: dequant_into(out, x, s, box, (128, 128))), ("bf16 copy", lambda: out.copy_(b))):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        t[name] = (time.perf_counter() - t0) / 5
+    gb_out = out.numel() * 2 / 1e9
+    print(f"kernel, 1 thread: dequant {gb_out / t['dequant']:.2f} GB/s of bf16 written, bf16 copy "
+          f"{gb_out / t['bf16 copy']:.2f} GB/s: dequant/copy throughput {t['bf16 copy'] / t['dequant']:.2f}")
+    sizes = [1.0, 3.0] if args.size_gb == [3.0, 6.0] else args.size_gb
+    tool = [sys.executable, "-m", "ckpt_tools.cli"]
+    io = ["--workers", str(args.workers), "--max-memory", args.max_memory, "--no-progress"] + args.extra.split()
+    rows = []
+    for gb in sizes:
+        base = {k: v for k, v in config_for_gb(1.0, args.shape).items() if k != "num_hidden_layers"}
+        for layers in range(1, 400):  # as many layers as make ~gb GB of FP8
+            shp = hf_shapes(config_from_dict(dict(base, num_hidden_layers=layers)))
+            if sum(_numel(v) * (1 if fp8_quantizable(n, v) else 2) for n, v in shp.items()) >= gb * 1e9 * 0.97:
+                break
+        cfg = dict(base, num_hidden_layers=layers)
+        root = os.path.join(args.dir, f"fp8_{args.shape}_{gb:g}gb")
+        src = {"fp8": os.path.join(root, "fp8"), "bf16": os.path.join(root, "bf16")}
+        for kind, make in (("fp8", make_synthetic_fp8), ("bf16", make_synthetic_hf)):
+            if not os.path.isfile(os.path.join(src[kind], "model.safetensors.index.json")):
+                shutil.rmtree(src[kind], ignore_errors=True)
+                make(src[kind], cfg)
+        for rep in range(args.repeats):
+            for kind in (("fp8", "bf16") if rep % 2 == 0 else ("bf16", "fp8")):
+                o = os.path.join(root, "out")
+                shutil.rmtree(o, ignore_errors=True)
+                dropped = drop_caches()
+                r = run_step(tool + ["hf2mcore", "--hf", src[kind], "--out", o, "--tp", "4", "--ep", "4"] + io)
+                r.update(kind=kind, src_bytes=dir_bytes(src[kind]), out_bytes=dir_bytes(o), size_gb=gb, repeat=rep,
+                         cache_dropped=dropped)
+                shutil.rmtree(o, ignore_errors=True)
+                rows.append(r)
+                print(f"{gb:g} GB fp8 model rep {rep}: hf2mcore from {kind:<4} {r['src_bytes'] / 1e9:5.2f} GB -> "
+                      f"{r['out_bytes'] / 1e9:5.2f} GB {r['seconds']:7.2f} s  {r['out_bytes'] / r['seconds'] / 1e9:6.3f} "
+                      f"GB/s written  peak RSS {r['peak_rss'] / 2**30:.2f} GiB", flush=True)
+        med = {k: statistics.median(r["seconds"] for r in rows if r["size_gb"] == gb and r["kind"] == k)
+               for k in ("fp8", "bf16")}
+        pair = statistics.median(a["seconds"] / b["seconds"] for a in rows for b in rows if a["size_gb"] == gb ==
+                                 b["size_gb"] and a["repeat"] == b["repeat"] and a["kind"] == "bf16" and b["kind"] == "fp8")
+        rss = {k: max(r["peak_rss"] for r in rows if r["size_gb"] == gb and r["kind"] == k) for k in med}
+        print(f"{gb:g} GB fp8 model: hf2mcore from FP8 {med['fp8']:.2f} s vs from bf16 {med['bf16']:.2f} s (medians): "
+              f"FP8/bf16 throughput {med['bf16'] / med['fp8']:.2f} (paired {pair:.2f}); peak RSS FP8 "
+              f"{rss['fp8'] / 2**30:.2f} GiB, bf16 {rss['bf16'] / 2**30:.2f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kernel_seconds": t, "rows": rows, "args": vars(args)}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, nargs="+", default=[3.0, 6.0], help="model sizes (GB of bf16; default 3 6)")
@@ -260,7 +332,11 @@ def main():
     ap.add_argument("--no-baseline", action="store_true", help="skip the megatron-model baseline")
     ap.add_argument("--extra", default="", help="extra flags for every ckpt-tools step (e.g. --no-readahead)")
     ap.add_argument("--json", default=None, help="write rows and summary here")
+    ap.add_argument("--fp8", action="store_true", help="FP8 sources: dequant vs bf16 copy, kernel and hf2mcore "
+                    "(--size-gb: GB of FP8, default 1 3), peak RSS")
     args = ap.parse_args()
+    if args.fp8:
+        return fp8_bench(args)
     sizes = args.size_gb
     if args.quick:
         sizes, args.repeats, args.no_baseline = [1.0], 1, True

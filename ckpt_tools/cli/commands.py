@@ -15,6 +15,7 @@ from ..convert.directions import DTYPES, megatron_parallel
 from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_vllm, predict, predict_distributed
 from ..core.files import read_json
 from ..dist import ranks as distributed
+from ..formats.fp8 import BlockScaledReader, format_fp8
 from ..formats.torch_dist import SIDE_CAR
 from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
@@ -328,8 +329,11 @@ def cmd_inspect(args) -> int:
     info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
     if v.kind == "vllm":
         info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
+    if isinstance(getattr(v, "reader", None), BlockScaledReader):  # FP8: which tensors, their blocks
+        info["fp8"] = v.reader.summary()
+    show = {"loaders": format_loaders, "fp8": format_fp8}
     for k, val in info.items():
-        print(f"{k:>12}: {format_loaders(val) if k == 'loaders' else val}")
+        print(f"{k:>12}: {show[k](val) if k in show else val}")
     _dump(info, args.json)
     return 0
 

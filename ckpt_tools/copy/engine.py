@@ -10,7 +10,9 @@ output file (a safetensors tensor; the data of one ``torch.save``'d dist-checkpo
   at ~0.7 GB/s on the 2-core CI machine, a reused buffer copies at ~12 GB/s): an op whose source and
   destination bytes are both contiguous (row ranges: most bytes of every direction) is read straight into
   place with ``preadv``; the rest (column slices - o_proj / down_proj under tensor parallelism - and dtype
-  casts) is *staged*: the source's contiguous span is read once and copied with strided torch copies.
+  casts) is *staged*: the source's contiguous span is read once and copied with strided torch copies. A
+  block-scaled FP8 source (``Rec.scale``) is staged with the matching box of its scale and dequantized into
+  place (:mod:`ckpt_tools.copy.dequant`: bf16 exactly as DeepSeek's reference computes it).
   Blocks that stage the same source are grouped into one unit so the source is read once;
 * writes each contiguous output run with O_DIRECT for its 4 KiB-aligned interior and buffered ``pwritev``
   for the edges (``direct=False``: all buffered, and pieces of ``CFR_MIN`` bytes or more go kernel-side
@@ -43,6 +45,8 @@ import torch
 
 from ..integrity import hash_bytes, hash_range
 from ..layout import box_numel, box_shape, box_shift, box_slices
+from ..layout.blocks import scale_box
+from .dequant import SCRATCH_BYTES_PER_ELEM, dequant_into, scratch_elems
 from .fileio import EngineIO, _merge, read_rec_box  # noqa: F401 (read_rec_box: engine API)
 from .plan import CFR_MIN, Block, EngineError, Op, Rec, Unit, contiguous_span, plan_units, span_box  # noqa: F401 (Op: engine API)
 
@@ -215,15 +219,23 @@ class Engine(EngineIO):
         slow: dict = {}
         # staged sources: the contiguous span holding every part the unit needs, per source
         spans: dict = {}
+        scratch = 0  # elements of dequantization scratch (block-scaled FP8 sources)
+
+        def stage(s, sb):
+            bx = span_box(s.shape, sb)
+            cur = spans.get(id(s))
+            if cur is not None:
+                bx = span_box(s.shape, tuple((min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(cur[1], bx)))
+            spans[id(s)] = (s, bx)
+
         for b in unit.blocks:
             for s, sb, _, is_direct in b.ops:
                 if is_direct:
                     continue
-                bx = span_box(s.shape, sb)
-                cur = spans.get(id(s))
-                if cur is not None:
-                    bx = span_box(s.shape, tuple((min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(cur[1], bx)))
-                spans[id(s)] = (s, bx)
+                stage(s, sb)
+                if s.scale is not None:  # and the scales of the blocks it touches
+                    stage(s.scale, scale_box(sb, s.block))
+                    scratch = max(scratch, scratch_elems(sb[-1][1] - sb[-1][0]))
         arena = self._arena()
         need, offs = 0, {}
         for b in unit.blocks:
@@ -234,6 +246,8 @@ class Engine(EngineIO):
         for key, (s, bx) in spans.items():
             soffs[key] = need
             need = _align(need + box_numel(bx) * s.dtype.itemsize)
+        scratch_off = need
+        need = _align(need + scratch * SCRATCH_BYTES_PER_ELEM)
         arena.ensure(need)
         if need > self.stats["arena_peak_bytes"]:
             with self._stats_lock:
@@ -327,7 +341,14 @@ class Engine(EngineIO):
                 bx, full = sviews[id(s)]
                 sv = full[box_slices(box_shift(sb, [x[0] for x in bx]))]
             dv = self._block_view(arena, offs, b, views)[box_slices(local)]
-            dv.copy_(sv.reshape(dv.shape))
+            if s.scale is None:
+                dv.copy_(sv.reshape(dv.shape))
+                continue
+            # block-scaled FP8: the matching box of its scale, staged beside it; dequantized into place. dv
+            # differs from sv's (rows, cols) by unit dims only (equal extents): a view, whatever its strides
+            sbx, sfull = sviews[id(s.scale)]
+            sc = sfull[box_slices(box_shift(scale_box(sb, s.block), [x[0] for x in sbx]))]
+            dequant_into(dv.view(sv.shape), sv, sc, sb, s.block, arena.t[scratch_off:scratch_off + scratch * SCRATCH_BYTES_PER_ELEM])
         t3 = time.perf_counter()
         self._count("t_copy", t3 - t2)
         if block_hashes:  # the block's final bytes, as they are about to be written (xxh3: ~15 GB/s)

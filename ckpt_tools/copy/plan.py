@@ -24,7 +24,9 @@ class Rec:
 
     Destination records may carry ``head``/``tail`` bytes written right before/after the data.
     Source records inside a torch.save zip record carry ``expect_head`` (the bytes that must precede the
-    data) and ``span`` (the zip record's (offset, length), for the slow path); ``slow`` forces it."""
+    data) and ``span`` (the zip record's (offset, length), for the slow path); ``slow`` forces it.
+    A block-scaled FP8 source (DeepSeek's format) carries its ``scale`` record (float32, one value per ``block``
+    of (rows, columns)): its values are :func:`~ckpt_tools.copy.dequant.dequant_into`'s bf16, never its bytes."""
 
     path: str
     offset: int
@@ -36,6 +38,8 @@ class Rec:
     span: tuple | None = None
     slow: bool = False
     what: str = ""
+    scale: Rec | None = None
+    block: tuple = ()
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +123,7 @@ class Unit:
 
 
 def _direct(src: Rec, sbox, dst: Rec, dbox) -> bool:
-    return (src.dtype == dst.dtype and not src.slow and contiguous_span(src.shape, sbox) is not None
+    return (src.dtype == dst.dtype and not src.slow and src.scale is None and contiguous_span(src.shape, sbox) is not None
             and contiguous_span(dst.shape, dbox) is not None)
 
 
@@ -168,6 +172,7 @@ def plan_units(items, cap: int, target: int = 64 << 20, cfr_min: int | None = No
     for d, ops in items:
         for b in blocks_of(d, ops, block_max, cfr_min):
             srcs = {id(s): s.nbytes for s, _, _, dr in b.ops if not dr}
+            srcs.update({id(s.scale): s.scale.nbytes for s, _, _, dr in b.ops if not dr and s.scale is not None})
             new = b.nbytes + sum(v for k, v in srcs.items() if k not in cur_srcs)
             if cur is not None:
                 shares = bool(srcs.keys() & cur_srcs)

@@ -126,7 +126,9 @@ class HFReader:
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
         """Read ``box`` of tensor ``name`` with preadv from its byte range (no mmap: a file larger than memory
         reads fine; memory follows the box)."""
-        rec = self.records()[name]
+        return self._read_rec(self.records()[name], box)
+
+    def _read_rec(self, rec: Rec, box: Box | None = None) -> torch.Tensor:
         fd = self._fds.get(rec.path)
         if fd is None:
             try:
@@ -409,4 +411,22 @@ def side_files(src_dir: str, config: dict) -> dict:
                 out[fn] = f.read()
     if "config.json" not in out:
         out["config.json"] = json.dumps(config, indent=2).encode()
+    out["config.json"] = unquantized_config(out["config.json"])
     return out
+
+
+def unquantized_config(data: bytes) -> bytes:
+    """config.json's bytes without ``quantization_config`` (unchanged when it has none). Every output is written
+    unquantized (an FP8 source is read dequantized, :mod:`ckpt_tools.formats.fp8`); a config that still said FP8
+    would make transformers and vLLM load the bf16 weights as FP8 ones. DeepSeek's own ``fp8_cast_bf16.py``
+    leaves config.json untouched: its users remove the field by hand."""
+    if b"quantization_config" not in data:
+        return data
+    try:
+        d = json.loads(data)
+    except ValueError:
+        return data  # not JSON: load_config has refused it before anything is written
+    if not isinstance(d, dict) or "quantization_config" not in d:
+        return data
+    d.pop("quantization_config")
+    return (json.dumps(d, indent=2) + "\n").encode()

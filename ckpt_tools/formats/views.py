@@ -33,6 +33,7 @@ from ..layout import (
     vllm_parallel,
 )
 from ..layout.model_config import ModelConfig, load_config
+from .fp8 import open_reader
 from .hf import HFError, HFReader
 from .torch_dist import DistCkptError
 from .torch_dist_reader import TorchDistReader
@@ -96,7 +97,7 @@ class HFView:
     def __init__(self, path: str, cfg: ModelConfig | None = None):
         self.path = path
         self.cfg = cfg or load_config(path)
-        self.reader = HFReader(path)
+        self.reader = open_reader(path, self.cfg.raw)  # block-scaled FP8 read as bf16: formats/fp8.py
         self.shapes = hf_shapes(self.cfg)
         self.dtype = self.reader.validate(self.shapes)  # None when the tensors' dtypes differ
         check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype(n)) for n in self.shapes))
