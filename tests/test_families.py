@@ -301,3 +301,32 @@ def test_no_mtp_leaves_the_mtp_layers_out_on_purpose(models, tmp_path, capsys):
     assert "mtp.layers.0.eh_proj.weight" in McoreView(full, HFView(hf).cfg).ckpt.tensors
     assert main(["mcore2hf", "--mcore", full, "--hf-config", hf, "--out", whole, "--no-progress"]) == 0
     _equal_hf(hf, whole)
+
+
+@pytest.mark.vllm
+@pytest.mark.megatron
+def test_weight_sync_real_megatron_to_real_vllm_glm(models, tmp_path):
+    """The weight sync for a family with dense first layers, shared experts, an fp32 router bias and an MTP layer:
+    a real megatron actor (PP2: 3 + 3 layers, the MTP layer on the last stage) and real vLLM TP2 in the same 2
+    processes, 4 syncs with direct apply and delta; the actor's weights move between steps as an optimizer moves
+    them (bf16 weights from fp32 masters; the router bias kept in fp32, every element changing). After every step
+    every vLLM parameter equals, bitwise, what vLLM's own load_weights makes of the same HF tensors (a full sync).
+    The MTP layer is the actor's but never sent: vLLM's main model has no such parameter."""
+    from conftest import run_ranks
+
+    hf = models("glm4_moe", "bf16")
+    res, _ = run_ranks("sync_worker.py", tmp_path, 900, mode="steps", world=2, hf_a=hf, vpar={"tp": 2},
+                       mpar={"pp": 2, "layer_list": [3, 3]}, steps=4, rel=1e-4)
+    for r in (0, 1):
+        steps = res[r]["steps"]
+        assert len(steps) == 4 and all("error" not in s for s in steps), steps
+        for i, s in enumerate(steps):
+            rep, job = s["report"], s["job"]
+            assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives, fp32 bias included
+            assert rep["fallback_params"] == [] and rep["unproven_pieces"] == 0, (i, rep)
+            if i == 0:
+                assert rep["map_learned"] and job["messages_delta"] == 0, rep
+                assert not [n for n in s["loaded"] if n.startswith("model.layers.6.")]  # MTP: not sent
+            else:
+                assert rep["direct"] and s["loaded"] == [] and job["messages_delta"] > 0, (i, rep, job)
+                assert job["sent_bytes"] * 4 < job["sent_full_bytes"], job
