@@ -330,3 +330,27 @@ def test_weight_sync_real_megatron_to_real_vllm_glm(models, tmp_path):
             else:
                 assert rep["direct"] and s["loaded"] == [] and job["messages_delta"] > 0, (i, rep, job)
                 assert job["sent_bytes"] * 4 < job["sent_full_bytes"], job
+
+
+def test_torchrun_output_is_one_process_output_glm(models, tmp_path):
+    """Under torchrun (2 ranks) hf2mcore and mcore2hf of the mixed dense/MoE family with its MTP layer write the
+    same bytes as one process (the per-layer keys and the MTP stage divided among the ranks like any other)."""
+    from ckpt_tools.cli import main
+    from test_distributed import _torchrun
+    from test_trust_fs import _tree
+
+    hf = models("glm4_moe", "bf16")
+    topo = ["--pp", "3", "--tp", "2", "--ep", "2", "--num-layers-in-first-pipeline-stage", "1",
+            "--num-layers-in-last-pipeline-stage", "2", "--no-progress"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert main(["hf2mcore", "--hf", hf, "--out", one] + topo) == 0
+    assert main(["mcore2hf", "--mcore", one, "--hf-config", hf, "--out", one + "_hf", "--no-progress"]) == 0
+    codes, _ = _torchrun(tmp_path, [["hf2mcore", "--hf", hf, "--out", two] + topo,
+                                    ["mcore2hf", "--mcore", two, "--hf-config", hf, "--out", two + "_hf",
+                                     "--no-progress"]], n=2)
+    assert all(c == [0, 0] for c in codes.values()), codes
+
+    def data(d):  # the records written (the side-car names the source path: the same here)
+        return {k: v for k, v in _tree(d).items() if not k.startswith("ckpt_tools")}
+
+    assert data(one) == data(two) and data(one + "_hf") == data(two + "_hf")
