@@ -19,6 +19,7 @@ MODEL_TYPES = ("glm4_moe",)
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
 PRESETS = {"glm-4.5": "glm-4.5.json", "glm-4.5-air": "glm-4.5-air.json", "glm-4.6": "glm-4.6.json"}
 LAYER_PREFIX_HF = "model.layers.{i}."
+MTP_CONFIG = ("num_nextn_predict_layers", "num_mtp_layers")  # the MTP layer count (0 in a --no-mtp output's config)
 # the tests' tiny model of this family (transformers' own config and model classes, random weights)
 TINY = dict(model_type="glm4_moe", vocab_size=250, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
             head_dim=32, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,

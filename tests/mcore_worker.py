@@ -1,7 +1,7 @@
 """Reference runs of real megatron-core 0.12.1 on CPU (gloo, several processes), driven by the tests.
 
 python tests/mcore_worker.py '<json>' with keys:
-  hf: HF dir of the model; tp, pp, ep, etp, first, last: topology
+  hf: HF dir of the model; tp, pp, ep, etp, first, last: topology; config: fields of config.json to override
   load: dist-ckpt dir to load with dist_checkpointing.load (strict) - every local parameter is then
         compared with the HF tensors under an *independent* reference transform written here in plain torch
   save: dir to save this model's own sharded_state_dict with dist_checkpointing.save (weights copied from HF
@@ -193,6 +193,7 @@ def run(rank, world, a):
 
     pp = a["pp"]
     cfg = json.load(open(os.path.join(a["hf"], "config.json")))
+    cfg.update(a.get("config", {}))  # e.g. no MTP layers: the model a --no-mtp checkpoint is for
     model, ranks, offset, nle = build_gpt_model(cfg, a["tp"], pp, a["ep"], a.get("etp"), a.get("first"), a.get("last"))
     hf, _ = hf_files(a["hf"])
 

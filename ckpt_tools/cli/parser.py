@@ -67,6 +67,13 @@ def _add_io(p):
     _add_dist(p)
 
 
+def _add_mtp(p):
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave out the multi-token-prediction (MTP) layers the config declares (GLM-4.5, DeepSeek-V3): "
+                        "not read, not written, the written config.json says 0 of them; without it a source that "
+                        "lacks them is refused (vLLM's main model never loads them: reshard --to vllm writes none)")
+
+
 def _add_dist(p):
     p.add_argument("--dist-timeout", type=TIMEOUT, default=None,
                    help="under torchrun (every rank writes or checks its share; detected from RANK/WORLD_SIZE): "
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (only after the new one is complete)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
+    _add_mtp(p)
 
     p = sub.add_parser("mcore2hf", help="Megatron-core torch_dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True, help="dist-checkpoint dir (ours or megatron-core's own, any topology; "
@@ -108,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
+    _add_mtp(p)
 
     p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards (--to vllm); Megatron "
                                         "-> Megatron for another topology and/or loader spec (--to mcore)")
@@ -145,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
+    _add_mtp(p)
 
     p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats), or "
                                       "one checkpoint alone (structure, coverage, _extra_state, common.pt, checksums)")
@@ -162,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound on the comparison buffers: tensors are compared in row blocks of about this "
                         "size / 24 elements (default 1GiB; resident memory is this plus the interpreter)")
     p.add_argument("--no-progress", action="store_true")
+    _add_mtp(p)
     _add_dist(p)
 
     p = sub.add_parser("plan", help="dry run from a config: stages, bytes per rank and file, time estimate")

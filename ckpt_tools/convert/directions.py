@@ -77,10 +77,10 @@ def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_s
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
              vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-             divide="files") -> dict:
+             divide="files", no_mtp=False) -> dict:
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     _guard(out, "mcore", {"--hf": hf}, opts)
-    cfg = load_config(hf)
+    cfg = load_config(hf, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     return _to_mcore(out, hf, "hf2mcore", {"--hf": hf}, lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
                      vocab_size_divisible_by, opts)[1]
@@ -118,7 +118,7 @@ def _dt_name(dt, keys) -> str:
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                 layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                 vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None, divide="files") -> dict:
+                dist_timeout=None, divide="files", no_mtp=False) -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
@@ -129,7 +129,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     inputs = {"--from": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     _guard(out, "mcore", inputs, opts)
-    cfg = load_config(hf_config)
+    cfg = load_config(hf_config, no_mtp)
     if not is_mcore(src):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
@@ -167,13 +167,13 @@ def _side_dir(cfg_path: str) -> str:
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
              overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8,
-             dist_timeout=None, divide="files") -> dict:
+             dist_timeout=None, divide="files", no_mtp=False) -> dict:
     if not hf_config:
         raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     _guard(out, "hf", inputs, opts)
-    cfg = load_config(hf_config)
+    cfg = load_config(hf_config, no_mtp)
     cache = max(64 << 20, max_memory // (4 * max(1, workers)))
     dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
     dts = {}
@@ -181,7 +181,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     def destination(view):
         dts.update((n, dt or view.dtype_of(n)) for n in view.names())
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size,
-                             functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw)
+                             functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw, cfg.config_edits())
 
     view, _, res = convert(Job(out, "hf", "mcore2hf", inputs, mcore,
                                lambda: McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache), destination),
@@ -190,19 +190,21 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     return res
 
 
-def open_source(path: str, hf_config: str | None, prefix=None):
-    cfg = load_config(hf_config) if hf_config else None
+def open_source(path: str, hf_config: str | None, prefix=None, no_mtp=False):
+    cfg = load_config(hf_config or path, no_mtp) if hf_config or no_mtp else None
     return open_view(path, cfg, prefix=prefix)
 
 
 def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel: bool = False, ep: int | None = None,
             hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
             max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None,
-            dist_timeout=None, divide="files") -> dict:
+            dist_timeout=None, divide="files", no_mtp=False) -> dict:
     """Write what vLLM ``vllm_version`` loads with ``load_format="sharded_state"``: one file per TP rank named
     as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
     checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
-    config/tokenizer files and ``vllm_layout.json``."""
+    config/tokenizer files and ``vllm_layout.json``. MTP layers are never written (vLLM's main model skips them:
+    vllm/model_executor/models/utils.py, its MTP draft is another model): the source is read as ``--no-mtp`` reads
+    it, whatever ``no_mtp`` says, and the written config.json says so."""
     inputs = {"--from": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
     par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
@@ -225,8 +227,10 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
         return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,
                                version, _side_dir(hf_config or src), src)
 
-    return convert(Job(out, "vllm", "reshard", inputs, src, lambda: open_source(src, hf_config, prefix),
-                       destination), opts, FormatError)[2]
+    view, _, res = convert(Job(out, "vllm", "reshard", inputs, src, lambda: open_source(src, hf_config, prefix, True),
+                               destination), opts, FormatError)
+    res.update(mtp_left_out=view.cfg.mtp_dropped)
+    return res
 
 
 def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,

@@ -159,9 +159,10 @@ class HFReader:
             self._records = {k: Rec(fp, off, shp, dt, what=k) for k, (fp, off, shp, dt) in self._rec_args.items()}
         return self._records
 
-    def validate(self, expected: dict[str, tuple]) -> torch.dtype | None:
-        """Every expected tensor present with the expected shape; returns the dtype when all tensors share
-        one, None when they are mixed (each tensor then converts in its own dtype)."""
+    def validate(self, expected: dict[str, tuple], ignore=None) -> torch.dtype | None:
+        """Every expected tensor present with the expected shape, no other (but those ``ignore(name)`` allows);
+        returns the dtype when all tensors share one, None when they are mixed (each tensor then converts in its
+        own dtype)."""
         missing = [k for k in expected if k not in self.meta]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -169,7 +170,7 @@ class HFReader:
         for k, shp in expected.items():
             if tuple(self.meta[k][1]) != tuple(shp):
                 raise HFError(f"{self.path}: {k} has shape {list(self.meta[k][1])}, config implies {list(shp)}")
-        extra = [k for k in self.meta if k not in expected]
+        extra = [k for k in self.meta if k not in expected and not (ignore and ignore(k))]
         if extra:
             raise HFError(f"{self.path}: unexpected tensor {extra[0]} (not in the {len(expected)} the config implies)")
         dts = {self.meta[k][2] for k in expected}
@@ -364,12 +365,13 @@ class HFDestination(Destination):
 
     kind = "hf"
 
-    def __init__(self, entries: list, max_shard_bytes: int, ops, side_dir: str, config: dict):
+    def __init__(self, entries: list, max_shard_bytes: int, ops, side_dir: str, config: dict,
+                 edits: dict | None = None):
         self.layout = safetensors_files(entries, max_shard_bytes)
         self.files = {fn: size for fn, _, size, _ in self.layout}
         self.blobs = {fn: [(0, head)] for fn, head, _, _ in self.layout}
         self.total = sum(size - len(head) for _, head, size, _ in self.layout)
-        self.ops, self.side_dir, self.config = ops, side_dir, config
+        self.ops, self.side_dir, self.config, self.edits = ops, side_dir, config, edits
         self.file_of = {t: fn for fn, _, _, where in self.layout for t in where}
 
     def items(self, root: str):
@@ -383,7 +385,7 @@ class HFDestination(Destination):
 
     def prepare(self) -> dict:
         return {INDEX: json.dumps(index_of(self.total, self.file_of), indent=2).encode(),
-                **side_files(self.side_dir, self.config)}
+                **side_files(self.side_dir, self.config, self.edits)}
 
     def summary(self) -> dict:
         return {"tensors": len(self.file_of), "bytes": self.total, "shards": len(self.files)}
@@ -399,10 +401,10 @@ def pwrite_all(fd: int, mv, offset: int):
 _ST = {v: k for k, v in _DT.items()}
 
 
-def side_files(src_dir: str, config: dict) -> dict:
+def side_files(src_dir: str, config: dict, edits: dict | None = None) -> dict:
     """{file name: bytes}: the model's config and tokenizer files (:data:`COPY_FILES`) found in ``src_dir``,
     read now (a file that cannot be read is an error before any copy); ``config`` as config.json when
-    ``src_dir`` has none."""
+    ``src_dir`` has none; config.json as :func:`edited_config` makes it."""
     out = {}
     for fn in COPY_FILES:
         p = os.path.join(src_dir, fn)
@@ -411,22 +413,24 @@ def side_files(src_dir: str, config: dict) -> dict:
                 out[fn] = f.read()
     if "config.json" not in out:
         out["config.json"] = json.dumps(config, indent=2).encode()
-    out["config.json"] = unquantized_config(out["config.json"])
+    out["config.json"] = edited_config(out["config.json"], edits or {})
     return out
 
 
-def unquantized_config(data: bytes) -> bytes:
-    """config.json's bytes without ``quantization_config`` (unchanged when it has none). Every output is written
-    unquantized (an FP8 source is read dequantized, :mod:`ckpt_tools.formats.fp8`); a config that still said FP8
-    would make transformers and vLLM load the bf16 weights as FP8 ones. DeepSeek's own ``fp8_cast_bf16.py``
-    leaves config.json untouched: its users remove the field by hand."""
-    if b"quantization_config" not in data:
+def edited_config(data: bytes, edits: dict) -> bytes:
+    """config.json's bytes without ``quantization_config`` and with the fields of ``edits`` set (unchanged when
+    neither applies). Every output is written unquantized (an FP8 source is read dequantized,
+    :mod:`ckpt_tools.formats.fp8`); a config that still said FP8 would make transformers and vLLM load the bf16
+    weights as FP8 ones. DeepSeek's own ``fp8_cast_bf16.py`` leaves config.json untouched: its users remove the
+    field by hand. ``edits``: ModelConfig.config_edits (an MTP layer count of 0 under ``--no-mtp``)."""
+    if b"quantization_config" not in data and not edits:
         return data
     try:
         d = json.loads(data)
     except ValueError:
         return data  # not JSON: load_config has refused it before anything is written
-    if not isinstance(d, dict) or "quantization_config" not in d:
+    if not isinstance(d, dict) or "quantization_config" not in d and all(d.get(k) == v for k, v in edits.items()):
         return data
-    d.pop("quantization_config")
+    d.pop("quantization_config", None)
+    d.update(edits)
     return (json.dumps(d, indent=2) + "\n").encode()

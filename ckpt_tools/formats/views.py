@@ -28,6 +28,7 @@ from ..layout import (
     box_shift,
     box_slices,
     detect_spec,
+    dropped,
     full_box,
     hf_shapes,
     vllm_parallel,
@@ -91,6 +92,14 @@ def check_weight_dtypes(path: str, cfg: ModelConfig, dtypes):
                               + ": refused rather than converted as it is")
 
 
+def _mtp_hint(cfg: ModelConfig, missing: list) -> str:
+    """What to say when what is missing is the MTP layers the config declares."""
+    if cfg.mtp_layers and missing and dropped(cfg.without_mtp())(missing[0]):
+        return (f" (the config declares {cfg.mtp_layers} MTP layer(s) this checkpoint lacks: pass --no-mtp to "
+                f"leave them out)")
+    return ""
+
+
 class HFView:
     kind = "hf"
 
@@ -99,7 +108,11 @@ class HFView:
         self.cfg = cfg or load_config(path)
         self.reader = open_reader(path, self.cfg.raw)  # block-scaled FP8 read as bf16: formats/fp8.py
         self.shapes = hf_shapes(self.cfg)
-        self.dtype = self.reader.validate(self.shapes)  # None when the tensors' dtypes differ
+        # None when the tensors' dtypes differ; the tensors of MTP layers left out (--no-mtp) may be there
+        try:
+            self.dtype = self.reader.validate(self.shapes, ignore=dropped(self.cfg))
+        except HFError as e:
+            raise HFError(str(e) + _mtp_hint(self.cfg, [n for n in self.shapes if n not in self.reader.meta])) from None
         check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype(n)) for n in self.shapes))
 
     def names(self):
@@ -137,7 +150,7 @@ class McoreView:
         problems = []
         for key, ts in self.layout.tensors.items():
             if key not in self.ckpt.tensors:
-                problems.append(f"missing key {key}")
+                problems.append(f"missing key {key}" + _mtp_hint(cfg, [key[len(self.ckpt.prefix):]]))
                 continue
             got = self.ckpt.shape(key)
             row = self.layout._rows[key]
@@ -148,7 +161,7 @@ class McoreView:
         if problems:
             raise FormatError(f"{path}: checkpoint does not match the HF config ({cfg.model_type}, {cfg.layers} layers, "
                               f"{cfg.experts} experts): {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        self.extra_keys = sorted(keys - set(self.layout.tensors))
+        self.extra_keys = sorted(k for k in keys - set(self.layout.tensors) if not dropped(cfg)(k[len(self.ckpt.prefix):]))
         if self.extra_keys:
             raise FormatError(f"{path}: checkpoint holds model tensors the HF config does not explain, e.g. "
                               f"{self.extra_keys[0]} - another model or a mismatched --hf-config?")

@@ -100,7 +100,7 @@ class VllmDestination(Destination):
         """config.json + tokenizer files in every directory vLLM is pointed at (and the top one, which verify
         / inspect read), and ``vllm_layout.json``."""
         par, tp = self.par, self.par.tp
-        side = side_files(self.side_dir, self.view.cfg.raw)
+        side = side_files(self.side_dir, self.view.cfg.raw, self.view.cfg.config_edits())
         out = {os.path.join(d, fn): b for d in sorted(set(self.dirs) | {""}) for fn, b in side.items()}
         out[VLLM_META] = json.dumps(
             {"format": "vllm sharded_state", "vllm_version": self.version, "tp": tp, "dp": par.dp,

@@ -31,7 +31,7 @@ from .boxes import (
     numel,
 )
 from .model_config import ConfigError, ModelConfig, config_from_dict, load_config
-from .models import SPECS, MegatronLayout, TensorSpec, VllmLayout, detect_spec, hf_shapes
+from .models import SPECS, MegatronLayout, TensorSpec, VllmLayout, detect_spec, dropped, hf_shapes
 from .topology import (
     PLAN_FLAGS,
     RESHARD_FLAGS,
@@ -48,6 +48,6 @@ from .topology import (
 
 __all__ = ["Box", "LayoutError", "Segment", "box_intersect", "box_numel", "box_shape", "box_shift", "box_slices",
            "boxes_disjoint_cover", "full_box", "iter_boxes_in", "numel", "SPECS", "MegatronLayout", "TensorSpec",
-           "VllmLayout", "detect_spec", "hf_shapes", "Chunk", "MegatronParallel", "VllmParallel", "chunk_holders", "megatron_chunks",
+           "VllmLayout", "detect_spec", "dropped", "hf_shapes", "Chunk", "MegatronParallel", "VllmParallel", "chunk_holders", "megatron_chunks",
            "pad_vocab", "split_range", "vllm_expert_range", "vllm_parallel", "PLAN_FLAGS", "RESHARD_FLAGS",
            "ConfigError", "ModelConfig", "config_from_dict", "load_config"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 
 import converters
@@ -39,6 +39,7 @@ class ModelConfig:
     shared_ffn: int = 0  # intermediate size of the shared experts of a MoE layer, 0: none
     mtp_layers: int = 0  # multi-token-prediction layers after the decoder (HF model.layers.{layers + k})
     features: frozenset = field(default=frozenset())  # what the family's rows ask for: qkv_bias, qk_norm, ...
+    mtp_dropped: int = 0  # MTP layers the config declares that this run leaves out (--no-mtp)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -57,9 +58,27 @@ class ModelConfig:
     def has(self, feature: str) -> bool:
         return feature in self.features
 
+    def without_mtp(self) -> "ModelConfig":
+        """The main model only (``--no-mtp``): the MTP layers the config declares are left out, on purpose."""
+        if not self.mtp_layers:
+            return self
+        return replace(self, mtp_layers=0, mtp_dropped=self.mtp_layers,
+                       moe_layers=tuple(i for i in self.moe_layers if i < self.layers))
 
-def load_config(path_or_preset: str) -> ModelConfig:
-    """``path_or_preset``: an HF model dir, a config.json path, or a preset name (``ckpt-tools plan --help``)."""
+    def config_edits(self) -> dict:
+        """Fields a config.json written for this model changes: the MTP layer count when they were left out."""
+        fam = converters.get(self.model_type)
+        return {k: 0 for k in getattr(fam, "MTP_CONFIG", ()) if k in self.raw} if self.mtp_dropped else {}
+
+
+def load_config(path_or_preset: str, no_mtp: bool = False) -> ModelConfig:
+    """``path_or_preset``: an HF model dir, a config.json path, or a preset name (``ckpt-tools plan --help``);
+    ``no_mtp``: the main model only (:meth:`ModelConfig.without_mtp`)."""
+    cfg = _load_config(path_or_preset)
+    return cfg.without_mtp() if no_mtp else cfg
+
+
+def _load_config(path_or_preset: str) -> ModelConfig:
     known = converters.presets()
     if path_or_preset in known:
         text = resources.files("converters").joinpath("presets", known[path_or_preset]).read_text()

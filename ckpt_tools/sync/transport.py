@@ -73,7 +73,7 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
 
     Steps: (1) refuse before any transfer if any rank's schedule fingerprint or switches differ or its model does
     not hold what the schedule expects (one-line :class:`SyncError` on every rank); (2) bucket by bucket, each
-    rank posts one send per receiver (its pieces, cast to ``schedule.dtype``, concatenated) and one receive per
+    rank posts one send per receiver (its pieces, cast to the bucket's dtype, concatenated) and one receive per
     sender with ``torch.distributed.batch_isend_irecv`` and waits at most ``timeout_s`` for them. What the
     receiver does with a message: on a step that learns the direct-apply map (the first with ``direct``, or the
     parameters were re-created; always without ``direct``) it builds full-shape HF tensors of the bucket (only
@@ -258,7 +258,7 @@ class _Step:
             ok = self.replay and (b, src) in self._delta_ok()
             if ok:
                 views = [k.views[0] for k in st.sinks[(b, src)]]
-                d = checked_digest_run(views, s.dtype, self.scratch).cpu()
+                d = checked_digest_run(views, s.bucket_dtype[b], self.scratch).cpu()
             else:
                 d = torch.zeros((), dtype=torch.int64)
             parts[src] += [torch.tensor(int(ok)), d]
@@ -275,7 +275,8 @@ class _Step:
 
     def _bucket(self, b, pieces, flags):
         s, rank, comm, cnt, st = self.s, self.rank, self.comm, self.cnt, self.st
-        dtype = s.dtype
+        dtype = s.bucket_dtype[b]
+        elem = dtype.itemsize
         sends, recvs, selfs = defaultdict(list), defaultdict(list), []
         for p in pieces:
             if p.src == rank and p.dst == rank:
@@ -338,7 +339,7 @@ class _Step:
             n = sum(box_numel(p.hf_box) for p in ps)
             mode, k = hrecv.get(src, (DENSE, n))
             if mode != DENSE:
-                rbufs[src] = torch.empty(sync_delta.payload_bytes(mode, n, k, s.elem), dtype=torch.uint8,
+                rbufs[src] = torch.empty(sync_delta.payload_bytes(mode, n, k, elem), dtype=torch.uint8,
                                          device=self.rdev)
             else:
                 inplace = sync_apply.single_view(st.sinks[(b, src)]) if self.replay else None
@@ -395,14 +396,14 @@ class _Step:
                     plan = st.patch_plans[(b, src)] = sync_delta.PatchPlan(st.sinks[(b, src)], self.rdev)
                 sync_delta.patch(plan, idx, vals)
             cnt["messages_received"] += 1
-            cnt["recv_net_bytes"] += n * s.elem
+            cnt["recv_net_bytes"] += n * elem
         del rbufs, ops, works, payloads, news
         if full:
             self._load(b, full)
         mine = {p.hf for p in pieces if p.dst == rank}
         if mine:
             cnt["tensors_delivered"] += len(mine)
-            cnt["recv_bytes"] += sum(box_numel(p.hf_box) for p in pieces if p.dst == rank) * s.elem
+            cnt["recv_bytes"] += sum(box_numel(p.hf_box) for p in pieces if p.dst == rank) * elem
         self._timed("apply_seconds", ta)
 
     def _delta_ok(self) -> set:
@@ -435,8 +436,9 @@ class _Step:
             if p.hf in full or (self.replay and p.hf not in self.st.fallback_hf):
                 continue
             shape = s.hf_shapes[p.hf]
-            full[p.hf] = (torch.full(shape, self.fill_value, dtype=s.dtype, device=self.rdev)
-                          if self.fill_value is not None else torch.empty(shape, dtype=s.dtype, device=self.rdev))
+            dt = s.dtype_of(p.hf)
+            full[p.hf] = (torch.full(shape, self.fill_value, dtype=dt, device=self.rdev)
+                          if self.fill_value is not None else torch.empty(shape, dtype=dt, device=self.rdev))
         return full
 
     def _self_copies(self, b, selfs, full):
@@ -444,12 +446,12 @@ class _Step:
             return
         s = self.s
         if self.replay:
-            buf = torch.cat([self.src_view(p).reshape(-1).to(s.dtype) for p in selfs])
+            buf = torch.cat([self.src_view(p).reshape(-1).to(s.bucket_dtype[b]) for p in selfs])
             sync_apply.apply_dense(self.st.sinks[(b, self.rank)], buf, full)
         else:
             for p in selfs:
                 full[p.hf][box_slices(p.hf_box)].copy_(self.src_view(p).reshape(box_shape(p.hf_box)))
-        self.cnt["local_bytes"] += sum(box_numel(p.hf_box) for p in selfs) * s.elem
+        self.cnt["local_bytes"] += sum(box_numel(p.hf_box) * s.elem_of(p.hf) for p in selfs)
 
     def _load(self, b, full):
         if self.vm is None:
@@ -492,7 +494,7 @@ class _Step:
             for b, d in self.sent_digests[dst]:
                 ps = msgs.get(b, ())
                 if any(p.hf in hfs for p in ps):
-                    d = checked_digest_run([self.src_view(p) for p in ps if p.hf not in hfs], self.s.dtype,
+                    d = checked_digest_run([self.src_view(p) for p in ps if p.hf not in hfs], self.s.bucket_dtype[b],
                                            self.scratch)
                 new.append((b, d))
             self.sent_digests[dst] = new

@@ -77,7 +77,7 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
         for b, src, ps in msgs:
             wants.append(offs[src])  # where its sender's digest sits in what the all-to-all brings
             offs[src] += 1
-            mine.append(checked_digest_run(views.runs[(b, src)], schedule.dtype, scratch))
+            mine.append(checked_digest_run(views.runs[(b, src)], schedule.bucket_dtype[b], scratch))
         mine = torch.stack(mine).cpu().tolist() if mine else []  # one device -> host copy
         got = pending().tolist()
         for (b, src, ps), d, i in zip(msgs, mine, wants):
@@ -104,11 +104,11 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
 def _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback) -> str:
     """Round 2 of :func:`_verify` for the messages ``wrong`` [(bucket, src, dst)]: per-piece digests, the
     senders' from their live chunks (the bytes they sent), compared on the receivers; the first wrong piece here."""
-    rank, world, dtype = comm.rank, comm.world, schedule.dtype
+    rank, world = comm.rank, comm.world
     parts = [[] for _ in range(world)]
     for b, src, dst in wrong:
         if src == rank:
-            parts[dst] += [digest(src_view(p), dtype) for p in _provable(schedule, b, src, dst, fallback)]
+            parts[dst] += [digest(src_view(p), schedule.bucket_dtype[b]) for p in _provable(schedule, b, src, dst, fallback)]
     mine = [(b, src) for b, src, dst in wrong if dst == rank]
     recv_split = [sum(len(_provable(schedule, b, s, rank, fallback)) for b, s2 in mine if s2 == s)
                   for s in range(world)]
@@ -122,7 +122,7 @@ def _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback) -> str:
             want = got[offs[src]]
             offs[src] += 1
             vname, target, t = _views(schedule, live, local, rank, frozenset(fallback.get(rank, ()))).pieces[p][0]
-            if int(digest(t, dtype)) != int(want):
+            if int(digest(t, schedule.bucket_dtype[b])) != int(want):
                 return (f"rank {rank}: vLLM parameter {vname} region {_bx(target)} does not hold the bytes rank {src} "
                         f"sent for HF tensor {p.hf} region {_bx(p.hf_box)}")
     return f"rank {rank}: a message differs but none of its pieces does (bucket {mine[0][0] + 1}, from rank {mine[0][1]})"

