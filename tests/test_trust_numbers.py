@@ -119,6 +119,38 @@ def test_environment_knobs_are_one_line_naming_the_variable(monkeypatch, name, v
     assert numbers.env(name, 7, kind, SyncError) == 7
 
 
+@pytest.mark.parametrize("value", ["1e-9", "0.0000018", "1e-300"])
+def test_sync_bucket_knob_is_checked_in_its_own_unit(monkeypatch, value):
+    """Issue 36: CKPT_TOOLS_SYNC_BUCKET_MB below one element passed the variable's check, then failed inside the
+    sync as "LayoutError: --bucket-bytes must be >= 1 (got 0)": not a SyncError, naming a flag nobody set."""
+    import torch
+
+    from ckpt_tools.integrations.verl_config import bucket_bytes
+    from ckpt_tools.sync import SyncError
+
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_BUCKET_MB", value)
+    with pytest.raises(SyncError) as e:
+        bucket_bytes(torch.bfloat16)
+    assert str(e.value) == (f"CKPT_TOOLS_SYNC_BUCKET_MB={value!r} must be at least 1.91e-06 (MiB: one bfloat16 "
+                            f"element, 2 bytes)"), str(e.value)
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_BUCKET_MB", "0.000002")  # 2.1 bytes: one bf16 element, not one fp32
+    assert bucket_bytes(torch.bfloat16) == 2
+    with pytest.raises(SyncError, match="one float32 element, 4 bytes"):
+        bucket_bytes(torch.float32)
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_BUCKET_MB", "1.5")
+    assert bucket_bytes(torch.float32) == 3 << 19
+
+
+def test_rollout_config_sizes_are_a_sync_error_naming_the_key():
+    from ckpt_tools.integrations.verl_config import rollout_parallel
+    from ckpt_tools.sync import SyncError
+
+    for key, v in (("tensor_model_parallel_size", "abc"), ("tensor_model_parallel_size", [1]),
+                   ("dp_model_parallel_size", -2)):
+        with pytest.raises(SyncError, match=f"rollout {key} must be an integer"):
+            rollout_parallel({key: v})
+
+
 def test_verl_integration_reads_its_knobs_through_the_checker():
     """The sync's environment knobs go through numbers.env (the function tested above), not a float() of its own."""
     src = "".join(open(os.path.join(os.path.dirname(integrations.__file__), f)).read()
