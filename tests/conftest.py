@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,19 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from ckpt_tools.testing import free_port  # noqa: E402
+
+SIGNALS_A_TEST_SENDS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def child_signals(ignore=()):
+    """``preexec_fn`` for a child process a test signals: SIGINT, SIGTERM and SIGHUP at their default disposition
+    whatever this test run inherited (a suite started from a background job has SIGINT ignored, one under nohup
+    SIGHUP, and a child keeps what it inherits: ckpt-tools rightly leaves a signal its caller ignored ignored);
+    the signals in ``ignore`` set to ignored (a caller's nohup, on purpose)."""
+    def preexec():
+        for s in SIGNALS_A_TEST_SENDS:
+            signal.signal(s, signal.SIG_IGN if s in ignore else signal.SIG_DFL)
+    return preexec
 
 
 def run_ranks(worker: str, tmp, timeout=600, expect=None, **kw):
