@@ -10,7 +10,11 @@ package: an import-linter contract in pyproject.toml).
   :class:`~ckpt_tools.layout.VllmLayout` (the rules read from vLLM's weight loaders) and its ``load_weights``
   slices each HF tensor into them as vLLM's loaders do. ``fault`` makes its loader wrong on purpose (to prove
   that the sync's verification catches a wrong loader): ``("drop", hf)`` silently skips HF tensor ``hf``,
-  ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down.
+  ``("misplace", hf)`` writes it one expert slot further, ``("shift", hf)`` writes it one row down; the first
+  time it loads ``hf`` only (a loader bug that strikes once: what vLLM's own loader run again does not repeat),
+  ``("sign_once", hf)`` negates the first element it wrote, ``("last_once", hf)`` adds 1 to the last one,
+  ``("bits_once", hf)`` flips the lowest bit of the first one (2-byte dtypes); ``("negate", hf)`` writes ``-hf``
+  every time (a loader that transforms the values, as some backends do: not a fault).
   ``keep=True`` also records every tensor it was given (``got``); ``on_call(n)`` runs at the n-th call.
 The real-vLLM equivalence of this delivery is covered by tests/test_sync.py and tests/test_verl_sync.py.
 * :func:`hf_files` - read a HF safetensors directory (the input of the tests' independent reference transforms).
@@ -86,6 +90,7 @@ class LayoutReceiver:
                 self.index.setdefault(seg.hf, []).append((name, seg))
         self.fault = fault
         self.keep, self.on_call, self.calls, self.got = keep, on_call, 0, {}
+        self.struck = False  # a "*_once" fault happened
 
     def parameters(self):
         return iter(self.params.values())
@@ -114,8 +119,19 @@ class LayoutReceiver:
                 src = t[box_slices(seg.hf_box)].reshape(dst.shape)
                 if kind == "shift":  # rows one down: the first row stays stale
                     dst[..., 1:, :].copy_(src[..., :-1, :])
+                elif kind == "negate":
+                    dst.copy_(-src)
                 else:
                     dst.copy_(src)
+                if kind and kind.endswith("_once") and not self.struck:
+                    self.struck = True
+                    first, last = dst[(0,) * dst.dim()], dst[tuple(n - 1 for n in dst.shape)]
+                    if kind == "sign_once":
+                        first.neg_()
+                    elif kind == "last_once":
+                        last.add_(1)
+                    else:  # bits_once
+                        first.view(torch.int16).bitwise_xor_(1)
             done.add(hf)
         return done
 
