@@ -385,6 +385,27 @@ def test_a_signal_the_caller_ignored_stays_ignored(tiny_hf, tmp_path, sig):
     assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "ckpt_tools.manifest.json").is_file()
 
 
+def test_a_child_the_suite_signals_gets_a_default_sigint(tiny_hf, tmp_path):
+    """Issue 36: the suite started from a non-interactive background job (SIGINT ignored, inherited by every child)
+    waited 120 s for a held run that kept ignoring the SIGINT it was sent, and left it running. The test's children
+    get the default disposition of the signals it sends (conftest.child_signals)."""
+    out = tmp_path / "out"
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # this test run as a background job has it
+    try:
+        p, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        release()
+    assert p.returncode == 130 and "interrupted; partial output removed" in err, err
+    assert os.listdir(tmp_path) == []
+
+
 def test_stale_partial_of_a_dead_process_is_removed_by_the_next_run(tiny_hf, tmp_path):
     """A run killed by SIGKILL leaves OUT.partial-PID (with our ownership record) and OUT.lock: the next run
     removes both; directories named alike without the record (a user's) are not touched."""
