@@ -1,8 +1,10 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import torch
@@ -11,14 +13,27 @@ HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from ckpt_tools.testing import free_port  # noqa: E402
+from ckpt_tools.testing import free_port  # noqa: E402, F401 - for the tests whose process binds a port itself
+
+SIGNALS_A_TEST_SENDS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def child_signals(ignore=()):
+    """``preexec_fn`` for a child process a test signals: SIGINT, SIGTERM and SIGHUP at their default disposition
+    whatever this test run inherited (a suite started from a background job has SIGINT ignored, one under nohup
+    SIGHUP, and a child keeps what it inherits: ckpt-tools rightly leaves a signal its caller ignored ignored);
+    the signals in ``ignore`` set to ignored (a caller's nohup, on purpose)."""
+    def preexec():
+        for s in SIGNALS_A_TEST_SENDS:
+            signal.signal(s, signal.SIG_IGN if s in ignore else signal.SIG_DFL)
+    return preexec
 
 
 def run_ranks(worker: str, tmp, timeout=600, expect=None, **kw):
     """Run tests/<worker> (spawned ranks of a gloo world; each writes rank_{r}.json); returns ({rank: result},
     seconds). Fails with the workers' stderr when fewer than ``expect`` (default: world) ranks wrote a result."""
-    out = os.path.join(str(tmp), f"{worker.split('.')[0]}_{free_port()}")
-    kw.update(out=out, port=free_port())
+    out = os.path.join(str(tmp), f"{worker.split('.')[0]}_{uuid.uuid4().hex[:8]}")
+    kw.update(out=out)  # (the world's port: its launcher hosts the store, ckpt_tools.testing.spawn_ranks)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CKPT_TOOLS_SYNC", None)
@@ -57,8 +72,8 @@ def tmpfs(tmp_path):
 
 def run_megatron(tmp, **kw):
     """Run tests/mcore_worker.py (real megatron-core under gloo); returns the per-rank result dicts."""
-    out = os.path.join(tmp, f"mcore_run_{free_port()}")
-    kw.update(out=out, port=free_port())
+    out = os.path.join(tmp, f"mcore_run_{uuid.uuid4().hex[:8]}")
+    kw.update(out=out)  # (the world's port: its launcher hosts the store, ckpt_tools.testing.spawn_ranks)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, os.path.join(HERE, "mcore_worker.py"), json.dumps(kw)], capture_output=True,
                        text=True, env=env, timeout=900)

@@ -275,5 +275,6 @@ def run(rank, world, a):
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     world = a["pp"] * math.lcm(a["tp"], (a.get("etp") or a["tp"]) * a["ep"])
-    os.makedirs(a["out"], exist_ok=True)
-    torch.multiprocessing.spawn(run, args=(world, a), nprocs=world)
+    from ckpt_tools.testing import spawn_ranks
+
+    sys.exit(1 if spawn_ranks(run, dict(a, world=world)) else 0)

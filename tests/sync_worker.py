@@ -164,12 +164,23 @@ def run_checks(rank, world, a):
                 msgs[(b, p.src, p.dst)] += box_numel(p.hf_box) * sched.elem
     res["message_bytes"] = sorted(msgs.values())
     res["pieces"] = len(sched.pieces)
+    res["reports"], res["negated"] = {}, None
     for fault in a["loader_faults"]:
+        vm = receiver(tuple(fault))
         try:
-            sync_weights(sched, mm, receiver(tuple(fault)), timeout_s=120)
+            cnt = sync_weights(sched, mm, vm, timeout_s=120)
             res["errors"][fault[0]] = None
+            res["reports"][fault[0]] = {k: cnt[k] for k in ("fallback_params", "verified_pieces", "unproven_pieces",
+                                                            "loader_proven_pieces", "map_learned")}
         except SyncError as e:
             res["errors"][fault[0]] = str(e)
+        if fault[0] == "negate" and rank == 1:  # what the transforming loader makes of the HF tensor: -it
+            from ckpt_tools.testing import hf_tensor
+
+            clean = LayoutReceiver(sched, local)
+            clean.load_weights([(fault[1], hf_tensor(fault[1], sched.hf_shapes[fault[1]]).to(sched.dtype))])
+            res["negated"] = [torch.equal(vm.params[n], -clean.params[n]) and bool(clean.params[n].abs().sum())
+                              for n, _ in clean.index[fault[1]]]
     if rank == 1:  # what vLLM's parallel_state reports on this rank
         vllm_live.parallel_ranks = lambda: {"tp": (1, 2), "dp": (1, 2), "ep": (3, 4)}
     try:
@@ -398,6 +409,18 @@ def run_steps(rank, world, a):
             prm = dict(vm.named_parameters())["model.norm.weight"]
             prm.weight_loader = lambda param, w: param.data.copy_(-w)
             prm.data = prm.data.clone()
+        if "corrupt_once" in ev and rank == 1:  # vLLM's own embedding loader, one element negated on its next call
+            prm = dict(vm.named_parameters())["model.embed_tokens.weight"]
+            own_loader, struck = prm.weight_loader, []
+
+            def corrupting(param, w, *args, _own=own_loader, _struck=struck, **kw):
+                out = _own(param, w, *args, **kw)
+                if not _struck:
+                    _struck.append(1)
+                    param.data.view(-1)[5].neg_()
+                return out
+
+            prm.weight_loader = corrupting
         verify = "noverify" not in ev
         loaded = []
         own_load = vm.load_weights

@@ -195,6 +195,10 @@ FAULTS = {"drop": ("model.layers.1.mlp.experts.3.down_proj.weight",
                     "model.layers.2.self_attn.o_proj.weight region [[0, 64], [0, 64]]")}
 
 
+# issue 36: a loader fault that strikes once, inside the loader, on rank 1 -> vLLM parameter it shows in
+ONCE = {k: "model.embed_tokens.weight" for k in ("sign_once", "last_once", "bits_once")}
+
+
 def test_verification_control_vs_data_and_vllm_ranks(tmp_path):
     """MoE, actor PP2 x EP2 -> vLLM TP2 x DP2 EP4 on 4 gloo processes, several syncs in one world:
     - data group vs control group (two gloo groups, every torch.distributed op recorded): the data group carries
@@ -204,7 +208,8 @@ def test_verification_control_vs_data_and_vllm_ranks(tmp_path):
       row) fails the sync's verification on every rank with one line naming rank, vLLM parameter, region and
       HF tensor;
     - vLLM on rank 1 reporting another DP / EP rank than the schedule plans: refused before any byte."""
-    faults = [[k, v[0]] for k, v in FAULTS.items()]
+    faults = [[k, v[0]] for k, v in FAULTS.items()] + [[k, v] for k, v in ONCE.items()]
+    faults.append(["negate", "model.embed_tokens.weight"])
     res, _ = run_worker(tmp_path, world=4, mode="checks", loader_faults=faults)
     for r, d in res.items():
         data = [o for o in d["ops"] if o["group"] == "data"]
@@ -222,6 +227,26 @@ def test_verification_control_vs_data_and_vllm_ranks(tmp_path):
             assert e == res[0]["errors"][kind], (r, kind)  # every rank fails with the same line
             assert e.startswith("weight sync verification failed: rank 1: vLLM parameter ") and "\n" not in e, e
             assert f"vLLM parameter {where} does not hold" in e and f"HF tensor {hf} region" in e and e.endswith("vLLM weights updated but wrong"), e
+        # issue 36: direct apply (the default), verification on: a value corrupted inside the loader while the map
+        # is learned made the parameter a fallback, "proven on the wire" only -> rc 0 and wrong weights. Now the
+        # fallback is proven against vLLM's own loader run again into a scratch copy: one line naming it
+        for kind, param in ONCE.items():
+            e = d["errors"][kind]
+            assert e == res[0]["errors"][kind], (r, kind)
+            assert e is not None and "\n" not in e, (kind, e)
+            assert e.startswith(f"weight sync verification failed: rank 1: vLLM parameter {param} (its loader is not "
+                                f"a plain copy: written by "), (kind, e)
+            assert "does not hold what vLLM's own loader makes of the bytes received in bucket" in e, (kind, e)
+            assert e.endswith("vLLM weights updated but wrong"), (kind, e)
+        # a loader that transforms every time (here: negates) is a fallback, proven each step, the sync exact
+        assert d["errors"]["negate"] is None, d["errors"]["negate"]
+        rep = d["reports"]["negate"]
+        assert rep["unproven_pieces"] == 0 and rep["verified_pieces"] > 0 and rep["map_learned"], rep
+        if r == 1:
+            assert rep["fallback_params"] == ["model.embed_tokens.weight"] and rep["loader_proven_pieces"] > 0, rep
+            assert d["negated"] == [True], d["negated"]
+        else:
+            assert rep["fallback_params"] == [] and rep["loader_proven_pieces"] == 0, rep
         e = d["errors"]["vllm_ranks"]
         assert e == ("weight sync refused before any transfer: rank 1: vLLM runs DP rank 1 of 2 here, the schedule "
                      "plans vLLM TP2 x DP2 EP4 DP rank 0 of 2; vLLM weights not modified"), e
@@ -286,14 +311,22 @@ def test_real_direct_and_delta_over_steps(tmp_path):
     later steps replay it and send only changed elements: the job's density is the changed fraction counted here
     from the HF tensors, independently. Events: one live element changed on rank 1 (then with verification off)
     -> that message is sent full, the result exact; the parameters re-created -> the map is learned again; a
-    loader that negates model.norm.weight -> that parameter falls back to load_weights, named, still exact."""
+    loader that negates model.norm.weight -> that parameter falls back to load_weights, named, still exact, and
+    proven every step against vLLM's own loader run again (issue 36). Last, the parameters re-created and vLLM's
+    embedding loader corrupting one element on its next call (a map being learned, verification on): the step
+    fails in one line naming the parameter (it used to pass as an unproven fallback)."""
     a = _dense_hf(str(tmp_path / "A"), 0)
-    events = {"2": ["touch"], "3": ["touch", "noverify"], "4": ["recreate", "transform"]}
+    events = {"2": ["touch"], "3": ["touch", "noverify"], "4": ["recreate", "transform"],
+              "6": ["recreate", "corrupt_once"]}
     res, _ = run_worker(tmp_path, mode="steps", world=2, hf_a=a, vpar={"tp": 2}, mpar={"pp": 2, "layer_list": [1, 2]},
-                        steps=6, rel=1e-4, events=events)
+                        steps=7, rel=1e-4, events=events)
     for r in (0, 1):
-        steps = res[r]["steps"]
+        steps, last = res[r]["steps"][:6], res[r]["steps"][6]
         assert len(steps) == 6 and all("error" not in s for s in steps), steps
+        assert last["error"] == res[0]["steps"][6]["error"] and "\n" not in last["error"], last
+        assert last["error"].startswith("weight sync verification failed: rank 1: vLLM parameter "
+                                        "model.embed_tokens.weight (its loader is not a plain copy: written by neg_"), last
+        assert "does not hold what vLLM's own loader makes of the bytes received in bucket" in last["error"], last
         for i, s in enumerate(steps):
             rep, job = s["report"], s["job"]
             assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives
@@ -316,7 +349,9 @@ def test_real_direct_and_delta_over_steps(tmp_path):
                 assert job["messages_rebased"] == 1 and job["messages_delta"] > 0, (i, job)
             if i < 4:
                 assert rep["fallback_params"] == [] and rep["verified_pieces"] == (0 if i == 3 else rep["verified_pieces"])
-            if i >= 4:  # the negating loader: model.norm.weight (on the last stage's vLLM ranks: both) falls back
+            if i >= 4:  # the negating loader: model.norm.weight (on the last stage's vLLM ranks: both) falls back,
+                # proven by vLLM's own loader run again (issue 36: it was "proven on the wire" only)
                 assert rep["fallback_params"] == ["model.norm.weight"], (i, rep["fallback_params"])
-                assert rep["unproven_pieces"] > 0 and rep["verified_pieces"] > 0, (i, rep)
+                assert rep["unproven_pieces"] == 0 and rep["loader_proven_pieces"] > 0, (i, rep)
+                assert rep["verified_pieces"] > 0, (i, rep)
         assert steps[1]["report"]["verified_pieces"] > 0 and steps[3]["report"]["verified_pieces"] == 0

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckpt_tools import cli, convert
+from conftest import child_signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,14 +195,16 @@ def test_out_never_deletes_inputs_or_unrelated_files(tiny_hf, mc, tmp_path, caps
     assert json.load(open(os.path.join(mcc, "ckpt_tools.json")))["tp"] == 2
 
 
-def _start_held(tmp_path, point, *argv):
+def _start_held(tmp_path, point, *argv, ignore=()):
     """Start a CLI run that stops at ``point`` (core.hold.hold_point: the CKPT_TOOLS_TEST_HOLD hook) and return
-    (process, release): the run stays there until ``release()``; no sleeps, whatever the machine's load."""
+    (process, release): the run stays there until ``release()``; no sleeps, whatever the machine's load. The run
+    gets the default disposition of the signals a test sends, but those in ``ignore`` (conftest.child_signals)."""
     fifo = str(tmp_path / f"hold_{point}_{len(os.listdir(tmp_path))}")
     os.mkfifo(fifo)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CKPT_TOOLS_TEST_HOLD=f"{point}:{fifo}")
     p = subprocess.Popen([sys.executable, "-m", "ckpt_tools.cli", *map(str, argv)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=child_signals(ignore))
     while True:  # a writer can open the FIFO once the run has opened it for reading: it is at the point then
         try:
             fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
@@ -364,6 +367,42 @@ def test_sigterm_and_sighup_remove_the_partial_output(tiny_hf, tmp_path, sig):
     _one_line(err.strip().splitlines(), "partial output removed")
     if sig != signal.SIGINT:
         _one_line(err.strip().splitlines(), f"terminated by {signal.Signals(sig).name}")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_the_caller_ignored_stays_ignored(tiny_hf, tmp_path, sig):
+    """Issue 36: ``nohup ckpt-tools hf2mcore ... &`` died on logout: nohup sets SIGHUP to ignored and the CLI
+    installed its own handler over it ("terminated by SIGHUP; partial output removed"). A run started with the
+    signal ignored (nohup; a shell's background job: SIGINT), held after staging, gets it and completes."""
+    out = tmp_path / "out"
+    p, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress",
+                             ignore=(sig,))
+    p.send_signal(sig)  # delivered now: a handler would run as the held run's select() returns (EINTR)
+    release()
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "ckpt_tools.manifest.json").is_file()
+
+
+def test_a_child_the_suite_signals_gets_a_default_sigint(tiny_hf, tmp_path):
+    """Issue 36: the suite started from a non-interactive background job (SIGINT ignored, inherited by every child)
+    waited 120 s for a held run that kept ignoring the SIGINT it was sent, and left it running. The test's children
+    get the default disposition of the signals it sends (conftest.child_signals)."""
+    out = tmp_path / "out"
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # this test run as a background job has it
+    try:
+        p, release = _start_held(tmp_path, "staged", "hf2mcore", "--hf", tiny_hf, "--out", out, "--no-progress")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        release()
+    assert p.returncode == 130 and "interrupted; partial output removed" in err, err
     assert os.listdir(tmp_path) == []
 
 

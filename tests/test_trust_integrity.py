@@ -67,6 +67,38 @@ def test_flipped_data_byte_is_caught_by_single_side_verify(outputs, kind, suffix
     assert rc == (0 if kind == "hf" else 1), out
 
 
+@pytest.mark.parametrize("kind,suffix", [("mcore", ".distcp"), ("hf", ".safetensors"), ("vllm", ".safetensors")])
+def test_a_file_without_a_manifest_entry_is_not_data_checked(outputs, kind, suffix, tmp_path, capsys):
+    """Issue 36: `verify --mcore DIR` of a directory whose manifest lacks one file's entry, a byte of that file
+    flipped: rc 0, "OK ... structure and data checked". A file of ours without an entry is data nobody checked:
+    FAILED (exit 1) naming it, and never "data checked"; inspect names it too. So is a file added later."""
+    bad = str(tmp_path / "bad")
+    shutil.copytree(outputs[kind], bad)
+    mp = os.path.join(bad, MANIFEST)
+    man = json.load(open(mp))
+    rel = next(r for r in man["files"] if r.endswith(suffix))
+    off, n, _, _ = next(x for x in man["files"].pop(rel)["ranges"] if x[3] != "-" and x[1] > 64)
+    json.dump(man, open(mp, "w"))
+    with open(os.path.join(bad, rel), "r+b") as f:
+        f.seek(off + n // 2)
+        b = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    rc, out = _verify_one(capsys, kind, bad, outputs["src"])
+    last = out.strip().splitlines()[-1]
+    assert rc == 1 and last.startswith("FAILED") and "data checked" not in last, out
+    assert last.endswith("structure checked, the data of 1 file(s) not checked (not in the manifest)"), last
+    assert f"PROBLEM: {rel}: in the checkpoint but not in {MANIFEST}: its data was not checked" in out, out
+    rc, out = _inspect(capsys, bad, outputs["src"])
+    assert rc == 0 and f"{rel}: in the checkpoint but not in {MANIFEST}" in out and "1 file(s) not in it" in out, out
+    shutil.rmtree(bad)
+    shutil.copytree(outputs[kind], bad)
+    with open(os.path.join(bad, "notes.txt"), "w") as f:  # added after the conversion
+        f.write("x")
+    rc, out = _verify_one(capsys, kind, bad, outputs["src"])
+    assert rc == 1 and "PROBLEM: notes.txt: in the checkpoint but not in" in out, out
+
+
 def _storage(mc):
     md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
     return md.storage_data, md.state_dict_metadata

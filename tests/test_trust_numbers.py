@@ -50,8 +50,11 @@ COMMANDS = {"hf2mcore": ["--hf", "H", "--out", "O"], "mcore2hf": ["--mcore", "M"
 PLAN_BAD = {"--disk-gbps": ["-2", "0", "nan", "inf"], "--node-gbps": ["nan", "-1"], "--fs-gbps": ["0"],
             "--proc-gbps": ["-0.5"], "--nodes": ["0", "2.5"], "--procs-per-node": ["-1"], "--vllm-tp": ["0", "-4"],
             "--vllm-dp": ["0"], "--vllm-ep": ["0", "-2"], "--rollout-replicas": ["0"], "--ranks-per-node": ["0"],
-            "--intra-node-gbps": ["0"], "--inter-node-gbps": ["inf"], "--latency-us": ["-1", "nan"],
-            "--bucket-size": ["0", "-1MiB"]}
+            "--intra-node-gbps": ["0"], "--inter-node-gbps": ["inf"], "--latency-us": ["-1", "nan", "0"],
+            "--bucket-size": ["0", "-1MiB"],
+            # issue 36: finite but not physical (300-digit times were printed)
+            "--intra-node-gbps ": ["1e-300", "1e9"], "--inter-node-gbps ": ["1e-300"], "--latency-us ": ["1e300", "2e6"],
+            "--disk-gbps ": ["1e-300"], "--node-gbps ": ["1e-9"], "--fs-gbps ": ["1e300"], "--proc-gbps ": ["1e-5"]}
 
 
 def _flags_of(cmd):
@@ -64,7 +67,8 @@ def test_every_bad_number_is_a_usage_error_naming_the_flag(capsys):
     tried = 0
     for cmd, base in COMMANDS.items():
         flags = _flags_of(cmd)
-        for flag, values in {**BAD, **(PLAN_BAD if cmd == "plan" else {})}.items():
+        for flag, values in [*BAD.items(), *(PLAN_BAD.items() if cmd == "plan" else ())]:
+            flag = flag.strip()  # (a trailing blank: a second entry for the same flag)
             if flag not in flags:
                 continue
             for v in values:
@@ -87,8 +91,8 @@ def test_good_numbers_still_parse():
     a = cli.build_parser().parse_args(["hf2mcore", "--hf", "H", "--out", "O", "--tp", "2", "--max-memory", "1.5GiB",
                                        "--dist-timeout", "604800", "--layer-list", "2,4", "--io-threads", " 3"])
     assert (a.tp, a.max_memory, a.dist_timeout, a.layer_list, a.io_threads) == (2, 3 << 29, 604800.0, [2, 4], 3)
-    a = cli.build_parser().parse_args(["plan", "--config", "C", "--disk-gbps", "0.25", "--latency-us", "0"])
-    assert (a.disk_gbps, a.latency_us) == (0.25, 0.0)
+    a = cli.build_parser().parse_args(["plan", "--config", "C", "--disk-gbps", "0.25", "--latency-us", "0.5"])
+    assert (a.disk_gbps, a.latency_us) == (0.25, 0.5)
 
 
 def test_python_api_timeout_and_vocab_multiple_are_checked(tiny_hf, tmp_path):
@@ -119,6 +123,38 @@ def test_environment_knobs_are_one_line_naming_the_variable(monkeypatch, name, v
     assert numbers.env(name, 7, kind, SyncError) == 7
 
 
+@pytest.mark.parametrize("value", ["1e-9", "0.0000018", "1e-300"])
+def test_sync_bucket_knob_is_checked_in_its_own_unit(monkeypatch, value):
+    """Issue 36: CKPT_TOOLS_SYNC_BUCKET_MB below one element passed the variable's check, then failed inside the
+    sync as "LayoutError: --bucket-bytes must be >= 1 (got 0)": not a SyncError, naming a flag nobody set."""
+    import torch
+
+    from ckpt_tools.integrations.verl_config import bucket_bytes
+    from ckpt_tools.sync import SyncError
+
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_BUCKET_MB", value)
+    with pytest.raises(SyncError) as e:
+        bucket_bytes(torch.bfloat16)
+    assert str(e.value) == (f"CKPT_TOOLS_SYNC_BUCKET_MB={value!r} must be at least 1.91e-06 (MiB: one bfloat16 "
+                            f"element, 2 bytes)"), str(e.value)
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_BUCKET_MB", "0.000002")  # 2.1 bytes: one bf16 element, not one fp32
+    assert bucket_bytes(torch.bfloat16) == 2
+    with pytest.raises(SyncError, match="one float32 element, 4 bytes"):
+        bucket_bytes(torch.float32)
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_BUCKET_MB", "1.5")
+    assert bucket_bytes(torch.float32) == 3 << 19
+
+
+def test_rollout_config_sizes_are_a_sync_error_naming_the_key():
+    from ckpt_tools.integrations.verl_config import rollout_parallel
+    from ckpt_tools.sync import SyncError
+
+    for key, v in (("tensor_model_parallel_size", "abc"), ("tensor_model_parallel_size", [1]),
+                   ("dp_model_parallel_size", -2)):
+        with pytest.raises(SyncError, match=f"rollout {key} must be an integer"):
+            rollout_parallel({key: v})
+
+
 def test_verl_integration_reads_its_knobs_through_the_checker():
     """The sync's environment knobs go through numbers.env (the function tested above), not a float() of its own."""
     src = "".join(open(os.path.join(os.path.dirname(integrations.__file__), f)).read()
@@ -126,6 +162,74 @@ def test_verl_integration_reads_its_knobs_through_the_checker():
     for name in ("CKPT_TOOLS_SYNC_TIMEOUT", "CKPT_TOOLS_SYNC_BUCKET_MB", "LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE"):
         assert f'numbers.env("{name}"' in src, name
     assert "float(os.environ" not in src and "int(os.environ" not in src
+
+
+def test_plan_link_and_latency_bounds_are_used_as_given(tiny_hf, capsys):
+    """The ends of the physical ranges are accepted and used as given."""
+    rc, out, err = _cli(capsys, "plan", "--config", tiny_hf, "--tp", 2, "--vllm-tp", 2, "--sync", "--latency-us",
+                        "0.01", "--intra-node-gbps", "1e5", "--inter-node-gbps", "0.001")
+    assert rc == 0 and err == [], err
+    assert "assumed per device: 100000 GB/s intra-node, 0.001 GB/s inter-node, 0.01 us per step" in out, out
+
+
+@pytest.mark.parametrize("env,why", [({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE must be an integer from 1 to "
+                                      "65536 (got '0')"),
+                                     ({"WORLD_SIZE": "-2", "RANK": "1"}, "WORLD_SIZE must be an integer from 1 to "
+                                      "65536 (got '-2')"),
+                                     ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK -1 is outside WORLD_SIZE 2"),
+                                     ({"RANK": "3"}, "RANK 3 is outside WORLD_SIZE 1 (WORLD_SIZE is not set)"),
+                                     ({"WORLD_SIZE": "2", "RANK": "one"}, "RANK must be an integer from 0 to "
+                                      "WORLD_SIZE - 1 (got 'one')")])
+def test_rank_and_world_size_out_of_range_are_refused(capsys, monkeypatch, tmp_path, env, why):
+    """Issue 36: WORLD_SIZE=0 or -2 with RANK set ran silently as one process."""
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, out, err = _cli(capsys, "hf2mcore", "--hf", tmp_path / "none", "--out", tmp_path / "o", "--no-progress")
+    assert rc == 2 and err == [f"ckpt-tools hf2mcore: error: {why}"], err
+
+
+@pytest.mark.parametrize("argv,flag", [(["inspect", ""], "PATH"), (["verify", "--mcore", ""], "--mcore"),
+                                       (["mcore2hf", "--mcore", "", "--out", "o"], "--mcore"),
+                                       (["plan", "--config", " "], "--config"),
+                                       (["verify", "--hf", "h", "--hf-config", ""], "--hf-config"),
+                                       (["hf2mcore", "--hf", "", "--out", "o"], "--hf")])
+def test_an_empty_path_is_one_line_naming_its_flag(capsys, argv, flag):
+    """Issue 36: an empty path printed messages with nothing where the path goes ("no HF config at  (...)")."""
+    rc, out, err = _cli(capsys, *argv)
+    assert rc == 2 and err == [f"ckpt-tools {argv[0]}: error: {flag} is empty: give a path"], err
+
+
+def test_a_side_car_source_is_resolved_against_its_record(tiny_hf, tmp_path, capsys, monkeypatch):
+    """Issue 36: a relative source in an output's ckpt_tools.json was looked up in the working directory, not
+    beside the record; an empty one found whatever config.json the working directory held and printed "using
+    the HF config in  (...)"."""
+    import shutil
+
+    from ckpt_tools.formats.torch_dist import SIDE_CAR
+
+    mc = tmp_path / "runs" / "mc"
+    mc.parent.mkdir()
+    convert.hf2mcore(tiny_hf, str(mc), progress=False)
+    side = mc / SIDE_CAR
+    rec = json.load(open(side))
+    hf = tmp_path / "models" / "hf"
+    shutil.copytree(tiny_hf, hf)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rec["source"] = os.path.join("..", "..", "models", "hf")  # relative to the record's directory
+    json.dump(rec, open(side, "w"))
+    rc, out, err = _cli(capsys, "inspect", mc)
+    assert rc == 0 and err == [f"ckpt-tools inspect: using the HF config in {hf} (the HF source recorded in "
+                                f"{side}; --hf-config overrides)"], err
+    shutil.copy(hf / "config.json", elsewhere / "config.json")  # a config in the working directory: not ours
+    rec["source"] = ""
+    json.dump(rec, open(side, "w"))
+    rc, out, err = _cli(capsys, "inspect", mc)
+    assert rc == 2 and len(err) == 1 and "no HF config was found for it" in err[0], err
+    assert f"{side} (a source recorded by ckpt-tools)" in err[0] and "in  (" not in err[0], err
 
 
 # ----------------------------------------------------------------------------------- vLLM topology: exact or refused

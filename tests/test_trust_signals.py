@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, child_signals, free_port
 from test_distributed import _env
 
 QUIET = ["--no-progress"]
@@ -23,7 +23,7 @@ def _rank(r, port, argv, cwd=None, **env):
     e = _env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     e.update(env)
     return subprocess.Popen([sys.executable, "-m", "ckpt_tools.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=e, cwd=cwd)
+                            stderr=subprocess.PIPE, text=True, env=e, cwd=cwd, preexec_fn=child_signals())
 
 
 def _lines(err):

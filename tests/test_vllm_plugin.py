@@ -87,6 +87,104 @@ def test_an_unreadable_record_is_refused(dirs, tmp_path):
         vllm_plugin.check(str(bad), "0.32.0", 2)
 
 
+OURS = '"format": "vllm sharded_state"'
+# issue 36: records that crashed vLLM's engine setup (RecursionError, ValueError, TypeError, OverflowError), were
+# read whole however large, or were accepted without a field the plugin reads -> (raw record, field named or None)
+JUNK = {
+    "null": ("null", None), "true": ("true", None), "number": ("1", None), "float": ("1.5", None),
+    "nan": ("NaN", None), "string": ('"vllm sharded_state"', None), "list": ("[1]", None), "empty_list": ("[]", None),
+    "tp_str": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": \"abc\"}" % OURS, "tp"),
+    "tp_list": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": [1]}" % OURS, "tp"),
+    "tp_object": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": {}}" % OURS, "tp"),
+    "tp_1e400": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 1e400}" % OURS, "tp"),
+    "tp_nan": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": NaN}" % OURS, "tp"),
+    "tp_float": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 2.0}" % OURS, "tp"),
+    "tp_bool": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": true}" % OURS, "tp"),
+    "tp_zero": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 0}" % OURS, "tp"),
+    "tp_negative": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": -2}" % OURS, "tp"),
+    "tp_huge": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 123456789012345678901234567890}" % OURS, "tp"),
+    "tp_null": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": null}" % OURS, "tp"),
+    "tp_missing": ("{%s, \"vllm_version\": \"0.32.0\"}" % OURS, "tp"),
+    "version_newline": ("{%s, \"vllm_version\": \"0.32.0\\nrm -rf\", \"tp\": 2}" % OURS, "vllm_version"),
+    "version_number": ("{%s, \"vllm_version\": 0.32, \"tp\": 2}" % OURS, "vllm_version"),
+    "version_empty": ("{%s, \"vllm_version\": \"\", \"tp\": 2}" % OURS, "vllm_version"),
+    "version_long": ("{%s, \"vllm_version\": \"%s\", \"tp\": 2}" % (OURS, "9" * 500), "vllm_version"),
+    "version_missing": ("{%s, \"tp\": 2}" % OURS, "vllm_version"),
+    "dp_zero": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 2, \"dp\": 0}" % OURS, "dp"),
+    "dp_string": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 2, \"dp\": \"2\"}" % OURS, "dp"),
+    "dp_dirs_string": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 2, \"dp_dirs\": \"yes\"}" % OURS, "dp_dirs"),
+    "deep_nesting": ("[" * 200000 + "]" * 200000, None),
+    "deep_object": ('{"a":' * 100000 + "1" + "}" * 100000, None),
+    "int_digits": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 1%s}" % (OURS, "0" * 5000), None),
+    "not_utf8": (b"{\"format\": \"\xff\xfe\"}", None),
+    "truncated": ("{%s, \"tp\"" % OURS, None),
+    "huge": ("{%s, \"vllm_version\": \"0.32.0\", \"tp\": 2, \"pad\": \"%s\"}" % (OURS, "x" * (2 << 20)), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JUNK))
+def test_a_malformed_record_is_one_wrong_layout_line_naming_file_and_field(tmp_path, case):
+    """No exception but WrongLayout leaves the plugin (it runs inside vLLM's engine setup), one line naming the
+    record's file (and the field, where one is wrong), under load_format sharded_state and auto alike."""
+    raw, field = JUNK[case]
+    d = tmp_path / "d"
+    d.mkdir()
+    rec = d / vllm_format.VLLM_META
+    rec.write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    for call in (lambda: vllm_plugin.check(str(d), "0.32.0", 2),
+                 lambda: vllm_plugin.check_other_format(str(d), "auto")):
+        with pytest.raises(vllm_plugin.WrongLayout) as e:
+            call()
+        msg = str(e.value)
+        assert type(e.value) is vllm_plugin.WrongLayout and "\n" not in msg and str(rec) in msg, (case, msg)
+        assert len(msg) < 1200, (case, len(msg))
+        if field:
+            assert f"field {field!r} must be" in msg, (case, msg)
+    if case == "huge":
+        assert "more than 1048576 bytes" in msg, msg
+
+
+def test_a_foreign_record_and_a_good_one(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    rec = d / vllm_format.VLLM_META
+    for raw in ("{}", '{"format": 5, "tp": "abc"}', '{"format": "something else", "tp": [1]}'):
+        rec.write_text(raw)
+        assert vllm_plugin.check(str(d), "0.32.0", 2) is None and vllm_plugin.check_other_format(str(d), "auto") is None
+    rec.write_text('{%s, "vllm_version": "0.32.0", "tp": 2}' % OURS)  # dp / dp_dirs may be left out (defaults)
+    assert vllm_plugin.check(str(d), "0.32.0", 2)["tp"] == 2
+    for fmt in ("dummy", "sharded_state", "pt"):  # only the formats that read files as HF weights are refused
+        vllm_plugin.check_other_format(str(d), fmt)
+
+
+def test_a_model_path_with_a_newline_is_named_on_one_line(dirs, tmp_path):
+    d = tmp_path / "two\nlines"
+    import shutil
+
+    shutil.copytree(dirs["v032_tp2"], d)
+    with pytest.raises(vllm_plugin.WrongLayout) as e:
+        vllm_plugin.check(str(d), "0.10.1", 2)
+    assert "\n" not in str(e.value) and "two\\nlines" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value,on", [("", True), ("on", True), ("Enabled", True), (" yes ", True), ("1", True),
+                                      ("off", False), ("disabled", False), ("DISABLE", False), ("0", False),
+                                      ("no", False)])
+def test_the_switch_values(monkeypatch, value, on):
+    monkeypatch.setenv(vllm_plugin.ENV, value)
+    assert vllm_plugin.switch() is on
+
+
+@pytest.mark.parametrize("value", ["maybe", "of", "2", "off,on"])
+def test_an_unknown_switch_value_is_refused_in_one_line(monkeypatch, value):
+    """Issue 36: CKPT_TOOLS_VLLM_PLUGIN=disabled left the plugin on (only off/0/false/no were read)."""
+    monkeypatch.setenv(vllm_plugin.ENV, value)
+    with pytest.raises(vllm_plugin.PluginError) as e:
+        vllm_plugin.register()
+    assert str(e.value).startswith(f"ckpt-tools: CKPT_TOOLS_VLLM_PLUGIN={value!r} is not one of on, off")
+    assert "\n" not in str(e.value)
+
+
 PROBE = textwrap.dedent("""
     import json, sys
     from importlib.metadata import entry_points
@@ -95,9 +193,9 @@ PROBE = textwrap.dedent("""
     eps = [f"{e.name}={e.value}" for e in entry_points(group="vllm.general_plugins")]
     load_general_plugins()
     out = {"eps": eps, "installed": EngineArgs.__dict__.get("_ckpt_tools_plugin")}
-    for key, model, tp in json.loads(sys.argv[1]):
+    for key, model, tp, *fmt in json.loads(sys.argv[1]):
         try:
-            a = EngineArgs(model=model, load_format="sharded_state", tensor_parallel_size=tp,
+            a = EngineArgs(model=model, load_format=fmt[0] if fmt else "sharded_state", tensor_parallel_size=tp,
                            skip_tokenizer_init=True, enforce_eager=True, max_model_len=64)
             a.create_engine_config()
             out[key] = ["ok", a._ckpt_tools_ours]
@@ -123,7 +221,8 @@ def test_real_vllm_loads_the_plugin_and_its_engine_config_refuses_another_versio
     before vLLM builds anything (the bare error they give otherwise is a KeyError deep in the loader); our 0.32
     files and an HF directory pass, and only ours are marked."""
     pytest.importorskip("vllm")
-    out = probe([["old", dirs["v0101_tp2"], 1], ["ours", dirs["v032_tp2"], 2], ["hf", dirs["hf"], 1]])
+    out = probe([["old", dirs["v0101_tp2"], 1], ["ours", dirs["v032_tp2"], 2], ["hf", dirs["hf"], 1],
+                 ["ours_auto", dirs["v032_tp2"], 2, "auto"], ["hf_auto", dirs["hf"], 1, "auto"]])
     assert "ckpt_tools_sharded_state=ckpt_tools.integrations.vllm_plugin:register" in out["eps"]
     # vLLM 0.32's oracle does not send sharded_state to V0: only the check is installed
     assert out["installed"] == {"check": True, "v1_oracle": False}
@@ -132,6 +231,10 @@ def test_real_vllm_loads_the_plugin_and_its_engine_config_refuses_another_versio
     assert "\n" not in msg
     assert out["ours"] == ["ok", True], out["ours"]
     assert out["hf"] == ["ok", False], out["hf"]
+    # issue 36: our directory under vLLM's default load_format (auto) ended in vLLM's bare "AssertionError:"
+    kind, msg = out["ours_auto"]
+    assert kind == "WrongLayout" and "serve it with --load-format sharded_state" in msg and "\n" not in msg, msg
+    assert out["hf_auto"] == ["ok", False], out["hf_auto"]
 
 
 @pytest.mark.vllm

@@ -8,23 +8,22 @@ vllm_runner.py for why). With ``dp > 1``, DP rank k loads ``model_dir/dp_k`` whe
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from ckpt_tools import convert  # noqa: E402
-from ckpt_tools.testing import free_port  # noqa: E402
+from ckpt_tools.testing import STARTUP_S, host_store, remove_shm, watch_world, world_env, world_tag  # noqa: E402
 from ckpt_tools.testing.synth import TINY_VLLM, make_tiny_hf  # noqa: E402
-from ckpt_tools.testing.vllm import rank_env, shm_tag  # noqa: E402
+from ckpt_tools.testing.vllm import rank_env  # noqa: E402
 
 
 def vllm_available() -> bool:
@@ -83,42 +82,35 @@ def run_vllm_jobs(jobs, timeout=600):
                           prompts=[list(map(int, p)) for p in prompts] if prompts else None, max_tokens=max_tokens,
                           want_params=bool(j.get("want_params", True)),
                           max_model_len=max(64, max((len(p) for p in prompts or []), default=0) + max_tokens + 8)))
-    port = free_port()
+    # this process hosts the world's stores, one per job (each job's engine makes the default group afresh in
+    # the same processes: the keys of the last one must not be there), on ports the kernel picks: no port to lose
+    stores = [host_store() for _ in specs]
+    tag = world_tag(stores[0].port)
     tmp = tempfile.mkdtemp(prefix="vllm_run_")
+    procs, logs_open = [], []
     try:
-        procs = []
         pp = os.environ.get("PYTHONPATH")
-        arg = json.dumps({"jobs": specs, "out": tmp})
+        arg = json.dumps({"jobs": specs, "out": tmp, "ports": [st.port for st in stores]})
         for r in range(world):
-            env = dict(os.environ, **rank_env(r, world, port), PYTHONPATH=ROOT + (os.pathsep + pp if pp else ""))
+            env = dict(os.environ, **rank_env(r, world, stores[0].port, tag), PYTHONPATH=ROOT + (os.pathsep + pp if pp else ""))
+            env.update(world_env(stores[0].port, tag))
             log = open(os.path.join(tmp, f"log_{r}.txt"), "w")
-            procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "vllm_runner.py"), arg], env=env,
-                                           stdout=log, stderr=subprocess.STDOUT, cwd=tmp), log))
-        deadline = time.time() + timeout
-        failed = None
-        while procs and time.time() < deadline:
-            for p, log in list(procs):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                procs.remove((p, log))
-                log.close()
-                if rc and failed is None:
-                    failed = rc
-            if failed is not None:
-                break
-            time.sleep(0.2)
-        for p, log in procs:  # the others (after a failure or the timeout): stop them
-            p.kill()
-            p.wait()
-            log.close()
-        if failed is not None or procs:
+            logs_open.append(log)
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "vllm_runner.py"), arg], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=tmp, preexec_fn=_default_signals))
+        problem = watch_world(procs, stores[0], world, STARTUP_S, timeout, lambda p: p.poll() is None,
+                              lambda p: p.returncode)
+        codes = [p.returncode for p in procs]
+        if problem is None and any(codes):
+            problem = f"exit codes {codes}"
+        if problem is not None:
+            for log in logs_open:
+                log.flush()
             logs = ""
             for r in range(world):
                 with open(os.path.join(tmp, f"log_{r}.txt")) as f:
                     logs += f"--- rank {r}\n" + f.read()[-3000:]
-            why = f"exit {failed}" if failed is not None else f"timeout {timeout}s"
-            raise AssertionError(f"vLLM run failed ({why}) on {[j['model_dir'] for j in jobs]}:\n{logs}")
+            raise AssertionError(f"vLLM run failed ({problem}) on {[j['model_dir'] for j in jobs]}:\n{logs}")
         results = []
         for i, s in enumerate(specs):
             d = os.path.join(tmp, f"job_{i}")
@@ -132,10 +124,16 @@ def run_vllm_jobs(jobs, timeout=600):
             results.append({"tokens": tokens, "params": params})
         return results
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs_open:
+            log.close()
         shutil.rmtree(tmp, ignore_errors=True)
-        # what a killed rank left in /dev/shm (only this world's names carry its tag)
-        for f in glob.glob(os.path.join("/dev/shm", f"*{shm_tag(port)}*")):
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
+        remove_shm(tag)  # what its ranks left in /dev/shm (os._exit, a kill): only this world's names carry its tag
+
+
+def _default_signals():
+    """A rank's SIGINT at its default disposition, whatever the test run inherited (a background job: ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

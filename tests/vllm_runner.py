@@ -46,7 +46,10 @@ def main():
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
 
+    from ckpt_tools.testing import watch_startup
     from ckpt_tools.testing.vllm import capture_loaded_state
+
+    watch_startup(rank)  # (the launcher's start-up watch; SIGUSR2: this rank's stacks)
 
     captured = {}
     capture_loaded_state(captured.update)
@@ -54,6 +57,7 @@ def main():
     for i, a in enumerate(spec["jobs"]):
         out = os.path.join(spec["out"], f"job_{i}")
         os.makedirs(out, exist_ok=True)
+        os.environ["MASTER_PORT"] = str(spec["ports"][i])  # each engine's default group on a store of its own
         if i:  # a second engine in this process: tear the first one's distributed state down
             import gc
 

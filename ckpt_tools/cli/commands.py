@@ -57,10 +57,11 @@ def find_hf_config(mcore: str, cmd: str) -> str:
         tried.append(os.path.join(beside, "config.json"))
         side = os.path.join(d, SIDE_CAR)
         src = read_json(side).get("source") if os.path.isfile(side) else None
-        if not isinstance(src, str):
+        if not isinstance(src, str) or not src.strip():  # (an empty source would be the working directory)
             tried.append(f"{side} (a source recorded by ckpt-tools)")
             beside = None
             break
+        src = os.path.normpath(os.path.join(d, src))  # a relative source is relative to its record's directory, not to ours
         if os.path.isfile(os.path.join(src, "config.json")):
             beside, how = src, f"the HF source recorded in {side}"
             break
@@ -82,13 +83,9 @@ def _plan_sync(args, cfg, par, vp, p):
     if vp.world * reps > par.world:
         raise LayoutError(f"--rollout-replicas {reps} x {vp.describe()} needs {vp.world * reps} ranks but the "
                           f"actor has {par.world}: plan --sync models the colocated layout (verl's hybrid engine)")
-    for flag, v in (("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps),
-                    ("--latency-us", args.latency_us)):
-        if v is not None and v <= 0:
-            raise LayoutError(f"{flag} must be > 0 (got {v})")
-    intra = args.intra_node_gbps or INTRA_GBPS
-    inter = args.inter_node_gbps or INTER_GBPS
-    lat = args.latency_us or LATENCY_US
+    intra = INTRA_GBPS if args.intra_node_gbps is None else args.intra_node_gbps  # (ranges: parser.GBPS, LATENCY_US)
+    inter = INTER_GBPS if args.inter_node_gbps is None else args.inter_node_gbps
+    lat = LATENCY_US if args.latency_us is None else args.latency_us
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
                      ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,

@@ -13,7 +13,7 @@ import threading
 from ..core.errors import IntegrityError, Terminated, describe_oserror, exit_code
 from ..core.show import PRINT_ERRORS, show
 from ..dist import ranks as distributed
-from .parser import build_parser
+from .parser import build_parser, empty_path
 
 
 def _on_signal(signum, frame):
@@ -49,6 +49,10 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
+    flag = empty_path(args)
+    if flag:  # (a message would print an empty path, or a relative lookup would use the working directory)
+        print(f"ckpt-tools {args.cmd}: error: {flag} is empty: give a path", file=sys.stderr)
+        return 2
     _quiet_c10d()
     from .commands import run  # lazy (a documented start-up cost): torch, imported only after _quiet_c10d
 
@@ -66,7 +70,10 @@ def _main(argv) -> int:
     old = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGHUP):
-            old[s] = signal.signal(s, _on_signal)
+            # a signal the caller ignored (nohup: SIGHUP; a shell's background job: SIGINT, which Python itself
+            # leaves ignored) stays ignored: the run was asked to outlive it
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                old[s] = signal.signal(s, _on_signal)
     streams = _safe_streams()  # a path that is not UTF-8 never makes a print raise, whatever the locale
     quiet = None
     if rank and joins:  # under torchrun rank 0 prints the report

@@ -15,9 +15,9 @@ EPILOG = ("Every command streams tensors one at a time; nothing instantiates a m
           "Exit codes: " + "; ".join(f"{c} {m.replace('`', '')}" for c, m in EXIT_CODES) + ".")
 
 
-COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT, FRACTION = (
-    numbers.arg(k) for k in (numbers.COUNT, numbers.SIZE, numbers.POSITIVE, numbers.NONNEGATIVE, numbers.TIMEOUT,
-                             numbers.FRACTION))
+COUNT, SIZE, TIMEOUT, FRACTION, GBPS, LATENCY_US = (
+    numbers.arg(k) for k in (numbers.COUNT, numbers.SIZE, numbers.TIMEOUT, numbers.FRACTION, numbers.GBPS,
+                             numbers.LATENCY_US))
 
 
 def _layers(s):
@@ -79,6 +79,19 @@ def _add_dist(p):
                    help="under torchrun (every rank writes or checks its share; detected from RANK/WORLD_SIZE): "
                         "seconds a rank may be silent, or the others late at a step, before the job stops "
                         "(default 300)")
+
+
+PATH_ARGS = {"hf": "--hf", "out": "--out", "mcore": "--mcore", "src": "--from", "vllm": "--vllm", "hf2": "--hf2",
+             "hf_config": "--hf-config", "config": "--config", "path": "PATH", "json": "--json"}
+
+
+def empty_path(args) -> str | None:
+    """The first path argument given as an empty string (or only blanks), by its flag; None when there is none."""
+    for dest, flag in PATH_ARGS.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, str) and not v.strip():
+            return flag
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,18 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="HF config.json / model dir, or a preset: " + ", ".join(sorted(converters.presets())))
     _add_megatron_topology(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--disk-gbps", type=POSITIVE, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
+    p.add_argument("--disk-gbps", type=GBPS, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
                         "time (cp -r DIR X && sync) moves 2 x DIR's size (default 2.0)")
     g = p.add_argument_group("distributed conversion (torchrun: every rank writes its share)")
     g.add_argument("--nodes", type=COUNT, default=None,
                    help="predict the conversion and verify times under torchrun on this many nodes")
     g.add_argument("--procs-per-node", type=COUNT, default=8, help="ranks per node (torchrun --nproc-per-node; default 8)")
-    g.add_argument("--node-gbps", type=POSITIVE, default=25.0,
+    g.add_argument("--node-gbps", type=GBPS, default=25.0,
                    help="each node's link to the shared file system in GB/s, each direction (default 25 = 200 Gb/s)")
-    g.add_argument("--fs-gbps", type=POSITIVE, default=50.0,
+    g.add_argument("--fs-gbps", type=GBPS, default=50.0,
                    help="the shared file system's aggregate throughput in GB/s, reads and writes together "
                         "(default 50)")
-    g.add_argument("--proc-gbps", type=POSITIVE, default=1.0,
+    g.add_argument("--proc-gbps", type=GBPS, default=1.0,
                    help="one process's copy rate in GB/s, read+write (default 1.0; scripts/bench.py measures it)")
     p.add_argument("--vllm-tp", type=COUNT, default=None, help="also plan vLLM shards at this TP")
     p.add_argument("--vllm-dp", type=COUNT, default=None, help="vLLM data-parallel size (default 1)")
@@ -207,12 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "hybrid engine) (default: actor ranks / vLLM ranks, e.g. 128 / (TP8 x DP8) = 2)")
     g.add_argument("--ranks-per-node", type=COUNT, default=8, help="devices per node: ranks r and s share a node iff "
                                                                     "r // N == s // N (default 8)")
-    g.add_argument("--intra-node-gbps", type=POSITIVE, default=None,
+    g.add_argument("--intra-node-gbps", type=GBPS, default=None,
                    help="per-device intra-node bandwidth in GB/s, one direction (default 100: NVLink / HCCS class)")
-    g.add_argument("--inter-node-gbps", type=POSITIVE, default=None,
+    g.add_argument("--inter-node-gbps", type=GBPS, default=None,
                    help="per-device inter-node bandwidth in GB/s, one direction (default 25 = a 200 Gb/s NIC per device; "
                         "50 for 400 Gb/s)")
-    g.add_argument("--latency-us", type=NONNEGATIVE, default=None,
+    g.add_argument("--latency-us", type=LATENCY_US, default=None,
                    help="latency per point-to-point step of a collective and per bucket exchange, in us (default 30)")
     g.add_argument("--bucket-size", type=SIZE, default="256MiB",
                    help="bound on each rank's sync buffers per bucket (default 256MiB)")

@@ -8,7 +8,8 @@
 * ``OSError`` (ENOSPC, EROFS, EACCES, EIO, ENAMETOOLONG while writing, another run holding ``--out``) is the
   environment (exit 3); torch's C++ writers are not used for files (their failures surface as a
   ``RuntimeError`` without an errno), see ``core.files.write_file``;
-* SIGINT / SIGTERM / SIGHUP: 128 + the signal number.
+* SIGINT / SIGTERM / SIGHUP: 128 + the signal number; one the caller ignored (nohup, a background job) stays
+  ignored (cli.entry installs no handler over it; Python itself leaves an ignored SIGINT so).
 """
 from __future__ import annotations
 

@@ -4,9 +4,12 @@
   ranks, replicas);
 * ``SIZE``: bytes (``4GiB``, ``5GB``, ``512MiB``, ``1e9``; a fraction of a byte dropped), at least 1;
 * ``POSITIVE``: a finite number > 0 (rates in GB/s, MB);
-* ``NONNEGATIVE``: a finite number >= 0 (a latency in us);
+* ``NONNEGATIVE``: a finite number >= 0;
 * ``TIMEOUT``: seconds, finite, in (0, 604800] (a week);
-* ``FRACTION``: a finite number in (0, 1] (a changed fraction of elements).
+* ``FRACTION``: a finite number in (0, 1] (a changed fraction of elements);
+* ``GBPS``: a bandwidth or throughput in GB/s in [0.001, 100000] (1 MB/s to 100 TB/s: what a link, a disk or a
+  file system can be; outside it a time estimate is no estimate);
+* ``LATENCY_US``: a latency in microseconds in [0.01, 1000000] (10 ns to a second per step; none is 0).
 
 The command line uses :func:`arg` as argparse ``type=`` (a bad value is argparse's usage error naming the flag,
 exit 2); an environment knob is read with :func:`env` (one line naming the variable); the Python API checks
@@ -20,6 +23,8 @@ import os
 
 WEEK = 7 * 24 * 3600
 MAX_COUNT = 1 << 16
+MIN_GBPS, MAX_GBPS = 1e-3, 1e5
+MIN_LATENCY_US, MAX_LATENCY_US = 1e-2, 1e6
 
 _SIZE_UNITS = [("TIB", 1 << 40), ("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10),
                ("TB", 10 ** 12), ("GB", 10 ** 9), ("MB", 10 ** 6), ("KB", 10 ** 3), ("T", 1 << 40),
@@ -89,6 +94,20 @@ def _timeout(v) -> float:
     return x
 
 
+def _gbps(v) -> float:
+    x = _float(v)
+    if not MIN_GBPS <= x <= MAX_GBPS:
+        raise ValueError
+    return x
+
+
+def _latency_us(v) -> float:
+    x = _float(v)
+    if not MIN_LATENCY_US <= x <= MAX_LATENCY_US:
+        raise ValueError
+    return x
+
+
 def _fraction(v) -> float:
     x = _float(v)
     if not 0 < x <= 1:
@@ -99,6 +118,7 @@ def _fraction(v) -> float:
 # kind -> (parser, what a value must be)
 COUNT, SIZE, POSITIVE, NONNEGATIVE, TIMEOUT, FRACTION = ("count", "size", "positive", "nonnegative", "timeout",
                                                           "fraction")
+GBPS, LATENCY_US = "gbps", "latency_us"
 KINDS = {
     COUNT: (_count, f"an integer from 1 to {MAX_COUNT}"),
     SIZE: (_size, "a size of at least 1 byte (e.g. 4GiB, 5GB, 512MiB, 1e9)"),
@@ -106,6 +126,8 @@ KINDS = {
     NONNEGATIVE: (_nonnegative, "a finite number >= 0"),
     TIMEOUT: (_timeout, f"a number of seconds > 0 and <= {WEEK} (a week)"),
     FRACTION: (_fraction, "a fraction > 0 and <= 1 (e.g. 0.01)"),
+    GBPS: (_gbps, f"a rate in GB/s from {MIN_GBPS:g} to {MAX_GBPS:g}"),
+    LATENCY_US: (_latency_us, f"a latency in microseconds from {MIN_LATENCY_US:g} to {MAX_LATENCY_US:g}"),
 }
 
 

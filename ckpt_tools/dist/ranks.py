@@ -51,14 +51,16 @@ GRACE = 1.0  # seconds a signalled rank waits for the job's failure record to na
 
 
 def world() -> tuple[int, int]:
-    """(rank, world size) from the environment; (0, 1) for one process."""
+    """(rank, world size) from the environment; (0, 1) for one process. A WORLD_SIZE that is not a count (0, -2,
+    "x") or a RANK outside it is refused (InputError, exit 2): such a job is not one process."""
+    raw_n, raw_r = os.environ.get("WORLD_SIZE", "").strip(), os.environ.get("RANK", "").strip()
+    n = numbers.check(raw_n, numbers.COUNT, "WORLD_SIZE", InputError) if raw_n else 1  # 0 or -2: not one process
     try:
-        n = int(os.environ.get("WORLD_SIZE", "1"))
-        r = int(os.environ.get("RANK", "0"))
+        r = int(raw_r) if raw_r else 0
     except ValueError:
-        raise InputError("RANK / WORLD_SIZE must be integers (the torch.distributed environment)") from None
-    if n > 1 and not 0 <= r < n:
-        raise InputError(f"RANK {r} is outside WORLD_SIZE {n}")
+        raise InputError(f"RANK must be an integer from 0 to WORLD_SIZE - 1 (got {raw_r!r})") from None
+    if not 0 <= r < n:
+        raise InputError(f"RANK {r} is outside WORLD_SIZE {n}" + ("" if raw_n else " (WORLD_SIZE is not set)"))
     return (r, n) if n > 1 else (0, 1)
 
 

@@ -22,7 +22,8 @@ Switches (environment variables, read at every step on every rank; set them in t
 * ``CKPT_TOOLS_SYNC_DELTA`` = ``off`` (default) | ``on``: send only the changed elements after the first step
   (ckpt_tools.sync.sync_weights ``delta``; docs/sync.md says what it costs); every rank must have the same value.
 * ``CKPT_TOOLS_SYNC_TIMEOUT`` (seconds, default 600; in (0, a week]): bound on every wait of the sync;
-  ``CKPT_TOOLS_SYNC_BUCKET_MB`` (default 256; > 0): per-rank buffer bound per bucket. Checked by ckpt_tools.core.numbers.
+  ``CKPT_TOOLS_SYNC_BUCKET_MB`` (MiB, default 256; at least one element of the weights' dtype): per-rank buffer
+  bound per bucket. Checked by ckpt_tools.core.numbers.
 
 The schedule is built once, on the first step, from what the job already has: megatron's parallel_state
 (PP / TP / EP / ETP sizes), the transformer config (uneven first / last stages), the HF config (``model_config``),
@@ -42,13 +43,13 @@ import torch
 import torch.distributed as dist
 
 from ..core import numbers
-from ..layout import MegatronParallel, detect_spec
+from ..layout import LayoutError, MegatronParallel, detect_spec
 from ..layout.model_config import config_from_dict
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
 from ..sync.comm import _comm, _exchange_summaries
 from ..sync.digest import digest
 from ..sync.preflight import _unwrap
-from .verl_config import MODES, VERIFY_MODES, _env, devices_per_node, rollout_parallel
+from .verl_config import MODES, VERIFY_MODES, _env, bucket_bytes, devices_per_node, rollout_parallel
 
 logger = logging.getLogger("ckpt_tools.verl")
 last_report: dict = {}  # the last step's counters on this rank (mode, check results, sync counters)
@@ -100,12 +101,14 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
         raise SyncError(f"weight sync: ranks disagree on the layer spec {sorted(specs)} or vocab rows {sorted(rows)}")
     rows_n = rows.pop() if rows else cfg.vocab
     dtype = next(vllm_model.parameters()).dtype
-    bucket_mb = numbers.env("CKPT_TOOLS_SYNC_BUCKET_MB", 256, numbers.POSITIVE, SyncError)
+    bucket = bucket_bytes(dtype)
     per_node = devices_per_node()
-    return SyncSchedule(cfg, mpar, vpar, specs.pop(), rollout_replicas=world // vpar.world,
-                        ranks_per_node=per_node, dtype=dtype,
-                        bucket_bytes=int(bucket_mb * 2 ** 20),
-                        actor_dp=world // mpar.world, vocab_size_divisible_by=rows_n if rows_n != cfg.vocab else None)
+    try:
+        return SyncSchedule(cfg, mpar, vpar, specs.pop(), rollout_replicas=world // vpar.world,
+                            ranks_per_node=per_node, dtype=dtype, bucket_bytes=bucket, actor_dp=world // mpar.world,
+                            vocab_size_divisible_by=rows_n if rows_n != cfg.vocab else None)
+    except LayoutError as e:  # the job's topology or model does not plan: one line, as every other failure here
+        raise SyncError(f"weight sync refused before any transfer: {e}") from None
 
 
 def _global_shapes(actor_module):

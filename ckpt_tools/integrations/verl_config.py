@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ..core import numbers
-from ..layout import VllmParallel
+from ..layout import LayoutError, VllmParallel
 from ..sync.comm import SyncError
 
 MODES = ("ours", "verl", "check")
+BUCKET_MB = "CKPT_TOOLS_SYNC_BUCKET_MB"
 VERIFY_MODES = ("every", "first", "off")
 
 
@@ -26,8 +29,26 @@ def rollout_parallel(rc):
     if htp and (htp.get("enabled") if hasattr(htp, "get") else htp):
         raise SyncError("weight sync refused: rollout hybrid_tp.enabled changes vllm-ascend's per-layer tensor "
                         "parallel layout, which ckpt_tools' sync does not plan (set CKPT_TOOLS_SYNC=verl)")
-    return VllmParallel(int(rc.get("tensor_model_parallel_size", 1)), int(rc.get("dp_model_parallel_size", 1) or 1),
-                        bool(rc.get("enable_expert_parallel", False)))
+    try:
+        return VllmParallel(numbers.check(rc.get("tensor_model_parallel_size", 1), numbers.COUNT, "rollout "
+                                          "tensor_model_parallel_size", SyncError),
+                            numbers.check(rc.get("dp_model_parallel_size", 1) or 1, numbers.COUNT, "rollout "
+                                          "dp_model_parallel_size", SyncError),
+                            bool(rc.get("enable_expert_parallel", False)))
+    except LayoutError as e:
+        raise SyncError(f"weight sync refused: rollout config: {e}") from None
+
+
+def bucket_bytes(dtype) -> int:
+    """``CKPT_TOOLS_SYNC_BUCKET_MB`` (default 256) in bytes, checked in the unit the user set it in: a finite number
+    of MiB, at least one element of the sync's ``dtype`` (a smaller bucket could hold nothing: the schedule needs
+    >= 1 byte); one-line SyncError naming the variable otherwise."""
+    mb = numbers.env("CKPT_TOOLS_SYNC_BUCKET_MB", 256, numbers.POSITIVE, SyncError)
+    elem = torch.empty((), dtype=dtype).element_size()
+    if mb * 2 ** 20 < elem:
+        raise SyncError(f"{BUCKET_MB}={os.environ.get(BUCKET_MB)!r} must be at least {elem / 2 ** 20:.3g} "
+                        f"(MiB: one {str(dtype).replace('torch.', '')} element, {elem} bytes)")
+    return int(mb * 2 ** 20)
 
 
 def devices_per_node() -> int:

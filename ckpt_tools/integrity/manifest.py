@@ -193,6 +193,26 @@ def check_sizes(root: str, man: dict) -> list[str]:
     return out
 
 
+def unlisted(root: str, man: dict, skip=()) -> list[str]:
+    """Files under ``root`` that the manifest does not list (besides the manifest itself and ``skip``): every file
+    of an output is listed when it is written (:func:`write_manifest`), so one that is not is data nobody can
+    check - added after the conversion, or its entry removed. Relative paths, sorted."""
+    out = []
+    for dirpath, dirs, names in os.walk(root):
+        dirs.sort()
+        for fn in sorted(names):
+            rel = os.path.relpath(os.path.join(dirpath, fn), root).replace(os.sep, "/")
+            if rel not in man["files"] and rel not in (MANIFEST, *skip):
+                out.append(rel)
+    return out
+
+
+def unlisted_problems(root: str, man: dict, skip=()) -> list[str]:
+    """:func:`unlisted` as problems of the checkpoint, one line each."""
+    return [f"{rel}: in the checkpoint but not in {MANIFEST}: its data was not checked (a file added after the "
+            f"conversion, or its entry removed)" for rel in unlisted(root, man, skip)]
+
+
 def check_manifest(root: str, man: dict, progress=None) -> tuple[list[str], int]:
     """Re-hash every range of every listed file: (problems, bytes checked). Memory: one 16 MiB buffer."""
     out = check_sizes(root, man)

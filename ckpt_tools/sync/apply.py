@@ -70,22 +70,36 @@ def view_box(t: torch.Tensor, base_shape, base_offset: int):
 
 
 class LoaderRecorder(TorchDispatchMode):
-    """Records, while active, every write into the storage of the watched parameters (see the module doc)."""
+    """Records, while active, every write into the storage of the watched parameters (see the module doc). With
+    ``snapshot`` (the step is verified), a parameter's state right before its first write in a bucket that is not
+    a plain copy is kept (``snaps``): what :func:`prove_by_reload` starts vLLM's loader from again."""
 
-    def __init__(self, params: dict):
+    def __init__(self, params: dict, snapshot: bool = False):
         super().__init__()
         self.params = params  # logical name -> live parameter
         self.by_ptr = {}
         for n, p in params.items():
             self.by_ptr.setdefault(p.untyped_storage().data_ptr(), n)
         self.inputs: dict = {}   # storage ptr -> (hf name, shape, storage offset): set per load_weights call
-        self.copies = defaultdict(list)  # param -> [(hf, hf box, param box)]
+        self.copies = defaultdict(list)  # param -> [(hf, hf box, param box, bucket)]
         self.other: dict = {}    # param -> why it is not a plain copy
         self.zero_fills = defaultdict(list)  # param -> boxes set to zero (must be the layout's padding)
+        self.snapshot, self.bucket, self.snaps = snapshot, None, {}
 
-    def watch_inputs(self, tensors: dict):
+    def watch_inputs(self, tensors: dict, bucket=None):
+        """The HF tensors of the next ``load_weights`` call (bucket ``bucket``); snapshots start afresh."""
         self.inputs = {t.untyped_storage().data_ptr(): (hf, tuple(t.shape), t.storage_offset())
                        for hf, t in tensors.items()}
+        self.bucket, self.snaps = bucket, {}
+
+    def _snap(self, name):
+        """Called before the write runs (a dispatch mode is off inside its own handler: the clone is not seen)."""
+        if self.snapshot and name not in self.snaps:
+            self.snaps[name] = self.params[name].detach().clone()
+
+    def _other(self, name, why):
+        self._snap(name)
+        self.other[name] = why
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,7 +116,8 @@ class LoaderRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, name, func, dst, args):
-        if name in self.other:
+        if name in self.other:  # a fallback already: its state before this bucket's first write is what counts
+            self._snap(name)
             return
         prm = self.params[name]
         if dst.numel() == 0:  # (an empty slice: the padding of a rank that has none)
@@ -111,61 +126,65 @@ class LoaderRecorder(TorchDispatchMode):
                 (func is torch.ops.aten.zero_.default or args[1] == 0):
             dbox = view_box(dst, tuple(prm.shape), prm.storage_offset()) if prm.is_contiguous() else None
             if dbox is None:
-                self.other[name] = "zero-filled through a view that is not a box"
+                self._other(name, "zero-filled through a view that is not a box")
             else:  # vocab_parallel_embedding.py weight_loader: the padding rows are zeroed
                 self.zero_fills[name].append(dbox)
             return
         if func is not torch.ops.aten.copy_.default:
-            self.other[name] = f"written by {func.__name__}"
+            self._other(name, f"written by {func.__name__}")
             return
         src = args[1]
         got = self.inputs.get(src.untyped_storage().data_ptr()) if isinstance(src, torch.Tensor) else None
         if got is None:
-            self.other[name] = "written from a computed tensor (not a view of the HF tensor)"
+            self._other(name, "written from a computed tensor (not a view of the HF tensor)")
             return
         if src.dtype != dst.dtype:
-            self.other[name] = f"written with a cast {src.dtype} -> {dst.dtype}"
+            self._other(name, f"written with a cast {src.dtype} -> {dst.dtype}")
             return
         hf, shape, off = got
         sbox = view_box(src, shape, off)
         dbox = view_box(dst, tuple(prm.shape), prm.storage_offset()) if prm.is_contiguous() else None
         if sbox is None or dbox is None:
-            self.other[name] = "written through a view that is not a box (transposed or strided)"
+            self._other(name, "written through a view that is not a box (transposed or strided)")
             return
-        self.copies[name].append((hf, sbox, dbox))
+        self.copies[name].append((hf, sbox, dbox, self.bucket))
 
 
-def classify(recorder: LoaderRecorder, vlayout_rank: dict, live, sig_before, sig_after) -> tuple[dict, dict]:
+def classify(recorder: LoaderRecorder, vlayout_rank: dict, live, sig_before, sig_after) -> tuple[dict, dict, dict]:
     """Over the parameters this rank's layout plans: ({parameter: why it falls back}: the loader does not copy it
     plainly - computes, casts, transposes, re-creates it), ({parameter: where the loader's plain copies differ from
     the layout}: then nothing is replayed - the step's verification names the region; replaying the layout would
-    not be what vLLM's loader does)."""
-    fallback, mismatch = {}, {}
+    not be what vLLM's loader does), ({fallback parameter: buckets whose plain copies into it all went where the
+    layout places them}: those writes are proven by the record itself; a later write that is not a plain copy is
+    proven by :func:`prove_by_reload`, starting from the state they left)."""
+    fallback, mismatch, traced = {}, {}, {}
     for name, ts in vlayout_rank.items():
         if sig_before.get(name) != sig_after.get(name):
             fallback[name] = "re-created by the loader"
             continue
-        if name in recorder.other:
-            fallback[name] = recorder.other[name]
-            continue
         segs = defaultdict(int)  # segment index -> elements written into it
-        bad = None
-        for hf, sbox, dbox in recorder.copies.get(name, ()):
+        bad, misplaced = None, set()  # (misplaced: buckets with a copy not where the layout places it)
+        for hf, sbox, dbox, b in recorder.copies.get(name, ()):
             for i, seg in enumerate(ts.segments):
-                if seg.hf != hf or any(a < s0 or b > s1 for (a, b), (s0, s1) in zip(sbox, seg.hf_box)):
+                if seg.hf != hf or any(a < s0 or b_ > s1 for (a, b_), (s0, s1) in zip(sbox, seg.hf_box)):
                     continue
                 if tuple(seg.hf_to_target(sbox)) == tuple(dbox):
                     segs[i] += box_numel(sbox)
                     break
             else:
-                bad = (f"{hf} region {[list(x) for x in sbox]} written to {[list(x) for x in dbox]}, not where the "
-                       f"layout places it")
-                break
+                misplaced.add(b)
+                bad = bad or (f"{hf} region {[list(x) for x in sbox]} written to {[list(x) for x in dbox]}, not "
+                              f"where the layout places it")
+        if name in recorder.other:
+            fallback[name] = recorder.other[name]
+            traced[name] = {c[3] for c in recorder.copies.get(name, ())} - misplaced
+            continue
         for z in recorder.zero_fills.get(name, ()):
             if not any(all(a0 <= a and b <= b0 for (a, b), (a0, b0) in zip(z, pad)) for pad in ts.zeros):
                 fallback[name] = f"zero-filled at {[list(x) for x in z]}, outside its padding"
                 break
         if name in fallback:
+            traced[name] = set()  # (a zero fill is no plain copy of what was sent)
             continue
         if bad is None:
             for i, seg in enumerate(ts.segments):
@@ -175,7 +194,77 @@ def classify(recorder: LoaderRecorder, vlayout_rank: dict, live, sig_before, sig
                     break
         if bad is not None:
             mismatch[name] = bad
-    return fallback, mismatch
+    return fallback, mismatch, traced
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """None when ``a`` and ``b`` hold the same bytes (same shape and dtype; NaN payloads and -0.0 count), else the
+    first flat element index where they differ (-1: shape or dtype)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return -1
+    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+    if x.numel() == 0:
+        return None
+    if x.element_size() in (1, 2, 4, 8):
+        kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        x, y = x.view(kind), y.view(kind)
+    diff = (x != y).nonzero()
+    return int(diff[0]) if diff.numel() else None
+
+
+def prove_by_reload(vllm_model, live, full: dict, starts: dict) -> dict:
+    """Prove parameters whose loader is not a plain copy (fallback) against vLLM's own loader: ``load_weights``
+    of the same HF tensors ``full`` (what this rank received, in full shape) run once more, each parameter named in
+    ``starts`` swapped for a scratch copy holding ``starts[name]`` (its state before the first such write of this
+    load), then compared bit for bit with what the live parameter holds. A loader that transforms (negates,
+    repacks, casts) gives the same again; one that wrote something else the first time (a corrupted element, a
+    value from elsewhere) does not. The live parameters are restored (their storage, which the direct-apply map
+    and the verification's views point into). Returns {name: None (proven) or the first differing element}."""
+    live_data, out = {}, {}
+    try:
+        for n, start in starts.items():
+            prm = live.get(n)
+            live_data[n] = prm.data
+            prm.data = start  # the scratch: the loader writes here this time
+        vllm_model.load_weights(list(full.items()))
+        got = {n: live.get(n).data for n in starts}  # (a loader that re-creates .data: the new one)
+    finally:
+        for n, d in live_data.items():
+            live.get(n).data = d
+    for n in starts:
+        out[n] = same_bits(got[n], live_data[n])
+    return out
+
+
+def hf_params(vlayout_rank: dict) -> dict:
+    """HF tensor -> the vLLM parameters of one rank's layout it fills."""
+    idx: dict = {}
+    for n, ts in vlayout_rank.items():
+        for seg in ts.segments:
+            idx.setdefault(seg.hf, []).append(n)
+    return idx
+
+
+def count_proofs(schedule, rank, fallback_hf, fallback: dict, hf_index: dict, proven: set, traced: dict):
+    """Over the pieces of fallback HF tensors rank ``rank`` received this step: (proven, not proven, the first not
+    proven as (parameter, HF tensor, bucket) or None). A piece is proven when every fallback parameter it fills was
+    proven by :func:`prove_by_reload` in its bucket (``proven``: (parameter, bucket)), or written there only by plain
+    copies where the layout places them (``traced``: a learning step's record, :func:`classify`)."""
+    ok = miss = 0
+    first = None
+    for _, _, ps in schedule.messages_to(rank):
+        for p in ps:
+            if p.hf not in fallback_hf:
+                continue
+            b = schedule.bucket_of[p.hf]
+            bad = [n for n in hf_index.get(p.hf, ()) if n in fallback and (n, b) not in proven
+                   and b not in traced.get(n, ())]
+            if bad:
+                miss += 1
+                first = first or (bad[0], p.hf, b)
+            else:
+                ok += 1
+    return ok, miss, first
 
 
 def params_sig(live, names) -> dict:

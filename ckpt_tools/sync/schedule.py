@@ -123,7 +123,7 @@ class SyncSchedule:
         self.cfg, self.mpar, self.vpar, self.spec = cfg, mpar, vpar, spec
         self.dtype, self.bucket_bytes, self.ranks_per_node = dtype, int(bucket_bytes), int(ranks_per_node)
         if self.bucket_bytes < 1:
-            raise LayoutError(f"--bucket-bytes must be >= 1 (got {bucket_bytes})")
+            raise LayoutError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
         if self.ranks_per_node < 1:
             raise LayoutError(f"--ranks-per-node must be >= 1 (got {ranks_per_node})")
         if rollout_replicas < 1:

@@ -119,7 +119,8 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
 
 _COUNTERS = ("recv_bytes", "recv_net_bytes", "sent_bytes", "sent_full_bytes", "local_bytes", "messages_sent",
              "messages_received", "messages_delta", "messages_full", "messages_rebased", "changed_elements",
-             "delta_elements", "buckets", "tensors_delivered", "verified_pieces", "unproven_pieces")
+             "delta_elements", "buckets", "tensors_delivered", "verified_pieces", "loader_proven_pieces",
+             "unproven_pieces")
 _TIMES = ("encode_seconds", "transfer_seconds", "apply_seconds", "verify_seconds")
 
 
@@ -153,6 +154,14 @@ class _Step:
 
     # ------------------------------------------------------------------------------------------ the step
     def run(self) -> dict:
+        try:
+            return self._run()
+        except BaseException:
+            if getattr(self, "recorder", None) is not None:  # a map learned on a step that failed is not trusted
+                self.st.map_sig = None
+            raise
+
+    def _run(self) -> dict:
         s, rank = self.s, self.rank
         t0 = time.perf_counter()
         need = {(p.key, p.chunk_box) for p in s.pieces if p.src == rank}
@@ -167,6 +176,7 @@ class _Step:
                         fallback_params=[])
         self.sent_digests = defaultdict(list)  # receiver -> [(bucket, digest)] of the messages sent to it
         self.scratch = s.__dict__.setdefault("_scratch", {})  # reused flat buffers (see comm._flat)
+        self.proven, self.loader_problem = set(), ""  # (fallback parameter, bucket) proven by reload; the first miss
         self._plan_receiving()
         flags = self._exchange_bases() if self.delta else {}
         for b, pieces in enumerate(s.pieces_by_bucket):
@@ -181,10 +191,9 @@ class _Step:
         if self.verify:
             tv = time.perf_counter()
             self._redigest_fallback(fallback)
+            self._count_fallback_proofs(fallback.get(rank, ()))
             self.cnt["verified_pieces"] = _verify(s, self.comm, self.live, self.sent_digests, self.src_view,
-                                                  self.timeout_s, self.scratch, fallback)
-            self.cnt["unproven_pieces"] = sum(1 for _, _, ps in s.messages_to(rank) for p in ps
-                                              if p.hf in fallback.get(rank, ()))
+                                                  self.timeout_s, self.scratch, fallback, self.loader_problem)
             self._timed("verify_seconds", tv)
         self.st.steps += 1
         self.cnt["fallback_params"] = sorted(self.st.fallback)
@@ -215,7 +224,8 @@ class _Step:
             self.cnt["direct"] = True
             return
         st.map_sig, st.sinks, st.fallback, st.fallback_hf, st.patch_plans = None, {}, {}, frozenset(), {}
-        self.recorder = sync_apply.LoaderRecorder({n: self.live.get(n) for n in names if self.live.get(n) is not None})
+        self.recorder = sync_apply.LoaderRecorder({n: self.live.get(n) for n in names if self.live.get(n) is not None},
+                                                  snapshot=bool(self.verify))
 
     def _learned(self):
         """After a learning step: which parameters are plain copies exactly as the layout says (replayed from now
@@ -223,7 +233,8 @@ class _Step:
         s, st, live = self.s, self.st, self.live
         names = list(s.vlayout.ranks[self.local])
         after = sync_apply.params_sig(live, names)
-        st.fallback, mismatch = sync_apply.classify(self.recorder, s.vlayout.ranks[self.local], live, self.sig, after)
+        st.fallback, mismatch, self.traced = sync_apply.classify(self.recorder, s.vlayout.ranks[self.local], live,
+                                                                 self.sig, after)
         if mismatch:  # vLLM's loader places something elsewhere than the layout: never replay that
             name, why = next(iter(sorted(mismatch.items())))
             logger.warning("ckpt_tools sync: rank %d: no direct apply: vLLM's loader puts %d parameter(s) elsewhere "
@@ -456,15 +467,68 @@ class _Step:
     def _load(self, b, full):
         if self.vm is None:
             raise self.fail(b, "pieces arrived for a rank without a vLLM model")
+        st = self.st
+        # under verification, a parameter whose loader is not a plain copy (fallback) is proven against vLLM's own
+        # loader: its state before this load (replay: the known fallback parameters it feeds; learning: taken by
+        # the recorder at the first write that is not a plain copy, or the state after it for one re-created)
+        fed = self._fed(full) if self.verify and self.sig is not None else []
+        starts, before = {}, None
         try:
             if self.recorder is not None:
-                self.recorder.watch_inputs(full)
+                before = sync_apply.params_sig(self.live, fed)
+                self.recorder.watch_inputs(full, b)
                 with self.recorder:
                     self.vm.load_weights(list(full.items()))
+                starts = dict(self.recorder.snaps)
+                after = sync_apply.params_sig(self.live, fed)
+                starts.update({n: self.live.get(n).detach().clone() for n in fed
+                               if before[n] != after[n] and n not in starts})
             else:
+                starts = {n: self.live.get(n).detach().clone() for n in fed if n in st.fallback}
                 self.vm.load_weights(list(full.items()))
+            if starts:
+                self._prove_by_reload(b, full, starts)
+        except SyncError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise self.fail(b, f"vLLM load_weights raised {type(e).__name__}: {_one_line(e)}") from None
+
+    def _fed(self, full) -> list:
+        """This rank's vLLM parameters the layout fills from the HF tensors ``full``."""
+        idx = self.st.__dict__.get("hf_params")
+        if idx is None:
+            idx = self.st.hf_params = sync_apply.hf_params(self.s.vlayout.ranks[self.local])
+        return sorted({n for hf in full for n in idx.get(hf, ()) if self.live.get(n) is not None})
+
+    def _prove_by_reload(self, b, full, starts):
+        got = sync_apply.prove_by_reload(self.vm, self.live, full, starts)
+        for n, where in sorted(got.items()):
+            if where is None:
+                self.proven.add((n, b))
+            elif not self.loader_problem:
+                why = self.st.fallback.get(n) or (self.recorder.other.get(n) if self.recorder is not None else None) \
+                    or "re-created by the loader"
+                at = "its shape or dtype" if where < 0 else f"element {where}"
+                self.loader_problem = (f"rank {self.rank}: vLLM parameter {n} (its loader is not a plain copy: {why}) "
+                                       f"does not hold what vLLM's own loader makes of the bytes received in bucket "
+                                       f"{b + 1} ({at} differs; HF tensors {', '.join(sorted(full))[:200]})")
+
+    def _count_fallback_proofs(self, fallback_hf):
+        """``loader_proven_pieces`` / ``unproven_pieces`` (sync.apply.count_proofs); a piece not proven makes the step
+        fail naming its parameter."""
+        if not fallback_hf:
+            return
+        traced = getattr(self, "traced", {}) if self.recorder is not None else {}
+        ok, miss, first = sync_apply.count_proofs(self.s, self.rank, fallback_hf, self.st.fallback,
+                                                  self.st.__dict__.get("hf_params", {}), self.proven, traced)
+        self.cnt["loader_proven_pieces"] += ok
+        self.cnt["unproven_pieces"] += miss
+        if first is not None and not self.loader_problem:
+            n, hf, b = first
+            self.loader_problem = (f"rank {self.rank}: vLLM parameter {n} (its loader is not a plain copy: "
+                                   f"{self.st.fallback[n]}): what it was given of HF tensor {hf} in bucket {b + 1} "
+                                   f"cannot be proven (neither plain copies where the layout places them nor "
+                                   f"reproduced by vLLM's own loader)")
 
     def _exchange_fallback(self) -> dict:
         """Every rank's fallback HF tensors (receiver rank -> set), for the verification: their pieces are proven

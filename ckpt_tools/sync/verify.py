@@ -44,21 +44,23 @@ def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str
     return result
 
 
-def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None) -> int:
+def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None, problem="") -> int:
     """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent.
     Round 1: the senders' message digests come over the control group (one all-to-all, 8 bytes per message) and
     this rank digests, per message, the parameter regions its pieces were meant to fill, concatenated in the
     message's order. Round 2, only if some message differs anywhere: its pieces are digested one by one on both
     sides (the sender from its live chunks) to name the first wrong one. All ranks then share the first problem
-    (one all-gather), so every rank raises the same one-line SyncError. Returns the pieces proven here."""
+    (one all-gather), so every rank raises the same one-line SyncError. ``problem``: this rank's own finding
+    already (a fallback parameter not proven by reload), shared the same way. Returns the pieces proven here."""
     rank, world = comm.rank, comm.world
+    own = problem
     counts = schedule.pair_message_counts()
     recv_split = [counts.get((s, rank), 0) for s in range(world)]
     fallback = fallback or {}
     skip = frozenset(fallback.get(rank, ()))  # this rank's fallback HF tensors: proven on the wire only
     pending = _all_to_all(comm, [[d for _, d in sent_digests.get(d, [])] for d in range(world)], recv_split, timeout_s,
                           "message digests")  # in flight while this rank digests its parameters
-    problem, proven, bad = "", 0, []
+    problem, proven, bad = own, 0, []
     msgs = schedule.messages_to(rank)
     if msgs:
         local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
@@ -66,12 +68,12 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
         try:
             views = _views(schedule, live, local, rank, skip)
         except SyncError as e:
-            problem, msgs = str(e), []
+            problem, msgs = problem or str(e), []
         wants, mine = [], []
         for p in views.twice if msgs else ():  # a region the loader fills twice on this rank: the copies agree
             rs = views.pieces[p]
             for vname, target, t in rs[1:]:
-                if not torch.equal(t, rs[0][2]):
+                if not torch.equal(t, rs[0][2]) and not problem:
                     problem = (f"rank {rank}: vLLM parameter {vname} region {_bx(target)} differs from "
                                f"{rs[0][0]} region {_bx(rs[0][1])}, both loaded from HF tensor {p.hf}")
         for b, src, ps in msgs:

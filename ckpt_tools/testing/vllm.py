@@ -37,11 +37,16 @@ VLLM_ENV = {
 }
 
 
-def rank_env(rank: int, world: int, port: int) -> dict:
+def rank_env(rank: int, world: int, port: int, tag: str | None = None) -> dict:
     """:data:`VLLM_ENV` plus the torchrun-style variables of one rank of a one-node world of ``world`` processes
-    (vLLM's external_launcher and torch's ``env://`` init read them)."""
+    (vLLM's external_launcher and torch's ``env://`` init read them) whose launcher hosts the store on ``port``
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank joins it as a client, as under torchrun; ckpt_tools.testing
+    ``host_store``), and its shared-memory tag (``tag``, else the launcher's ``CKPT_TEST_SHM_TAG``, else
+    :func:`shm_tag`)."""
+    tag = tag or os.environ.get("CKPT_TEST_SHM_TAG") or shm_tag(port)
     return dict(VLLM_ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CKPT_TEST_SHM_TAG=shm_tag(port))
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                CKPT_TEST_SHM_TAG=tag)
 
 
 def shm_tag(port: int) -> str:

@@ -12,6 +12,7 @@ from ..dist.ranks import Solo
 from ..formats.torch_dist import SIDE_CAR
 from ..formats.views import ERRORS, FormatError, format_loaders
 from ..integrity import MANIFEST, IntegrityError, ManifestError, SourceCheck, check_manifest, check_sizes, load_manifest
+from ..integrity.manifest import unlisted_problems
 
 
 def structure_checks(view) -> tuple[list[tuple[str, bool]], dict | None]:
@@ -48,7 +49,7 @@ def check_one(view, progress: bool = True, group=None) -> dict:
     problems, notes = [p for p, _ in probs], []
     man, bad = _manifest(view.path)
     problems += bad if g.lead_rank else []
-    checked = 0
+    checked = unchecked = 0
     if man is None:
         notes.append(f"no manifest: data not checked ({MANIFEST} {'unreadable' if bad else 'absent'}; structure, "
                      f"names and sizes checked)")
@@ -74,8 +75,12 @@ def check_one(view, progress: bool = True, group=None) -> dict:
         problems += probs
         notes.append(f"manifest: {len(man['files'])} files, {checked} bytes checked ({man['algorithm']})"
                      + (f" by {g.world} ranks" if g.world > 1 else ""))
+        stray = unlisted_problems(view.path, man, (SIDE_CAR,)) if g.lead_rank else []  # (rank 0 prints)
+        problems += stray
+        unchecked = len(stray)
     return {"ok": not problems, "path": view.path, "kind": view.kind, "problems": problems, "notes": notes,
-            "manifest": man is not None, "checked_bytes": checked, "loaders": loaders}
+            "manifest": man is not None, "checked_bytes": checked, "loaders": loaders,
+            "data_checked": man is not None and not unchecked, "unlisted": unchecked}
 
 
 def missing_manifest(view) -> list[str]:
@@ -124,8 +129,10 @@ def inspect_checks(view) -> dict:
         problems += missing_manifest(view)
     else:
         sz = check_sizes(view.path, man)
-        problems += sz
-        manifest = f"{MANIFEST}: {len(man['files'])} files, {man['algorithm']}, sizes {'ok' if not sz else 'WRONG'}"
+        stray = unlisted_problems(view.path, man, (SIDE_CAR,))
+        problems += sz + stray
+        manifest = (f"{MANIFEST}: {len(man['files'])} files, {man['algorithm']}, sizes {'ok' if not sz else 'WRONG'}"
+                    + (f", {len(stray)} file(s) not in it (data not checked)" if stray else ""))
     return {"problems": problems, "manifest": manifest}
 
 
@@ -138,8 +145,12 @@ def print_one(rep: dict, out):
         print(f"PROBLEM: {p}", file=out)
     for n in rep["notes"]:
         print(n, file=out)
-    what = ("structure and data checked" if rep.get("manifest") else
-            "structure, names and sizes checked, tensor data not checked (no manifest)")
+    if rep.get("data_checked"):
+        what = "structure and data checked"
+    elif rep.get("manifest"):  # every file's data was not: one or more are not in the manifest
+        what = f"structure checked, the data of {rep.get('unlisted')} file(s) not checked (not in the manifest)"
+    else:
+        what = "structure, names and sizes checked, tensor data not checked (no manifest)"
     print(f"{'OK' if rep['ok'] else 'FAILED'}: {rep['kind']} {rep['path']}: {len(rep['problems'])} problems; "
           f"{what}", file=out)
 
