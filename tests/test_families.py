@@ -27,8 +27,8 @@ from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
 from conftest import run_megatron
 
-FAMILIES = ["qwen2", "llama", "mixtral", "glm4_moe"]
-MOE = {"mixtral", "glm4_moe"}
+FAMILIES = ["qwen2", "llama", "mixtral", "glm4_moe", "deepseek_v3"]
+MOE = {"mixtral", "glm4_moe", "deepseek_v3"}
 PROMPTS = [[1, 2, 3, 4, 5], [249, 17, 100], [7] * 9]
 
 
@@ -38,7 +38,7 @@ def topology(family):
     return dict(tp=2, pp=3, first=1, last=2, **(dict(ep=2, etp=1) if family in MOE else dict(ep=1)))
 
 
-MTP = {"glm4_moe": "num_nextn_predict_layers"}  # families with MTP layers: their config field
+MTP = {"glm4_moe": "num_nextn_predict_layers", "deepseek_v3": "num_nextn_predict_layers"}  # their MTP count field
 
 
 def add_mtp(d: str, field: str):
@@ -226,7 +226,7 @@ def test_cli_commands_answer_for_every_family(family, models, tmp_path, capsys):
     assert family in out and "te: yes" in out, out
     fam = converters.get(family)
     for preset in fam.PRESETS:
-        assert main(["plan", "--config", preset, "--pp", "2", "--tp", "4", "--vllm-tp", "4", "--sync"]
+        assert main(["plan", "--config", preset, "--tp", "4", "--vllm-tp", "4", "--sync"]
                     + (["--ep", "8", "--vllm-expert-parallel"] if family in MOE else [])) == 0, preset
     assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", str(tmp_path / "back"), "--no-progress"]) == 0
     _equal_hf(hf, str(tmp_path / "back"))
@@ -243,7 +243,8 @@ def test_presets_are_the_flagship_sizes():
                 for name in converters.presets()}
     want = {"qwen3-235b-a22b": 235.1, "qwen2.5-72b": 72.7, "qwen2.5-7b": 7.6, "llama-3.1-8b": 8.0,
             "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6,
-            "glm-4.5": 356.8, "glm-4.6": 356.8, "glm-4.5-air": 109.2}  # GLM with its MTP layer
+            "glm-4.5": 356.8, "glm-4.6": 356.8, "glm-4.5-air": 109.2,  # GLM with its MTP layer
+            "deepseek-v3": 682.6, "kimi-k2": 1026.4}  # DeepSeek's MTP layer without its embedding / head copies
     assert set(billions) == set(want)
     for name, b in billions.items():
         assert abs(b - want[name]) < 0.1, (name, b)
@@ -305,22 +306,24 @@ def test_no_mtp_leaves_the_mtp_layers_out_on_purpose(models, tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.megatron
-def test_weight_sync_real_megatron_to_real_vllm_glm(models, tmp_path):
-    """The weight sync for a family with dense first layers, shared experts, an fp32 router bias and an MTP layer:
-    a real megatron actor (PP2: 3 + 3 layers, the MTP layer on the last stage) and real vLLM TP2 in the same 2
-    processes, 4 syncs with direct apply and delta; the actor's weights move between steps as an optimizer moves
-    them (bf16 weights from fp32 masters; the router bias kept in fp32, every element changing). After every step
-    every vLLM parameter equals, bitwise, what vLLM's own load_weights makes of the same HF tensors (a full sync).
-    The MTP layer is the actor's but never sent: vLLM's main model has no such parameter."""
+@pytest.mark.parametrize("family,steps", [("glm4_moe", 4), ("deepseek_v3", 2)])
+def test_weight_sync_real_megatron_to_real_vllm(family, steps, models, tmp_path):
+    """The weight sync for the families with dense first layers, shared experts, an fp32 router bias and an MTP
+    layer (GLM; DeepSeek with multi-latent attention): a real megatron actor (PP2: 3 + 3 layers, the MTP layer on the
+    last stage) and real vLLM TP2 in the same 2 processes, syncs with direct apply and delta; the actor's weights
+    move between steps as an optimizer moves them (bf16 weights from fp32 masters; the router bias kept in fp32,
+    every element changing). After every step every vLLM parameter equals, bitwise, what vLLM's own load_weights
+    makes of the same HF tensors (a full sync). The MTP layer is the actor's but never sent: vLLM's main model has
+    no such parameter."""
     from conftest import run_ranks
 
-    hf = models("glm4_moe", "bf16")
+    hf = models(family, "bf16")
     res, _ = run_ranks("sync_worker.py", tmp_path, 900, mode="steps", world=2, hf_a=hf, vpar={"tp": 2},
-                       mpar={"pp": 2, "layer_list": [3, 3]}, steps=4, rel=1e-4)
+                       mpar={"pp": 2, "layer_list": [3, 3]}, steps=steps, rel=1e-4)
     for r in (0, 1):
-        steps = res[r]["steps"]
-        assert len(steps) == 4 and all("error" not in s for s in steps), steps
-        for i, s in enumerate(steps):
+        steps_ = res[r]["steps"]
+        assert len(steps_) == steps and all("error" not in s for s in steps_), steps_
+        for i, s in enumerate(steps_):
             rep, job = s["report"], s["job"]
             assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives, fp32 bias included
             assert rep["fallback_params"] == [] and rep["unproven_pieces"] == 0, (i, rep)
