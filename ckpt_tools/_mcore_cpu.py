@@ -51,6 +51,20 @@ def apply() -> None:
         mfa._write_item = _write_item
 
 
+def mla_core_attention():
+    """The local spec's DotProductAttention for multi-latent attention: multi_latent_attention.py builds its core
+    attention with ``k_channels`` / ``v_channels`` (q/k and v head dims differ), which only Transformer Engine's
+    attention takes; the local one sizes its output by ``config.kv_channels`` (the v head dim here) and reads the
+    q/k head dim off the tensors, so it is dropped. No weights: nothing a checkpoint holds changes."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
 def allow_tp_ep_without_sp() -> None:
     """Lift ModelParallelConfig's 'EP>1 and TP>1 need sequence parallelism' check (state-dict use only)."""
     from megatron.core import model_parallel_config as mpc

@@ -5,7 +5,7 @@ module that serves a model type; adding a family is one module here and its name
 from importlib import import_module
 
 FAMILIES = ("converters.qwen3_moe", "converters.qwen2", "converters.llama", "converters.mixtral",
-            "converters.glm4_moe")
+            "converters.glm4_moe", "converters.deepseek_v3")
 
 
 class UnknownFamily(ValueError):

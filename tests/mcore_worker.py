@@ -65,6 +65,16 @@ def reference_local_tensor(name, hf, cfg, ranks, layer_offset, num_local_experts
         e_at = 3
     if rest == "input_layernorm.weight":
         return hf(p + "input_layernorm.weight")
+    if cfg.get("kv_lora_rank"):  # multi-latent attention (DeepSeek's names): projections' rows over TP
+        mla = {"linear_q_down_proj.weight": "q_a_proj.weight", "linear_q_up_proj.weight": "q_b_proj.weight",
+               "linear_q_proj.weight": "q_proj.weight", "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+               "linear_kv_up_proj.weight": "kv_b_proj.weight"}
+        norms = {"q_layernorm.weight": "q_a_layernorm.weight", "kv_layernorm.weight": "kv_a_layernorm.weight"}
+        a = rest[len("self_attention."):] if rest.startswith("self_attention.") else None
+        if a in mla:
+            return hf(p + "self_attn." + mla[a]).chunk(tp)[tp_rank]
+        if a in norms:
+            return hf(p + "self_attn." + norms[a])
     if rest == "pre_mlp_layernorm.weight":
         return hf(p + "post_attention_layernorm.weight")
     if rest == "self_attention.q_layernorm.weight":

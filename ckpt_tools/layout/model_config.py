@@ -40,6 +40,13 @@ class ModelConfig:
     mtp_layers: int = 0  # multi-token-prediction layers after the decoder (HF model.layers.{layers + k})
     features: frozenset = field(default=frozenset())  # what the family's rows ask for: qkv_bias, qk_norm, ...
     mtp_dropped: int = 0  # MTP layers the config declares that this run leaves out (--no-mtp)
+    # multi-latent attention: the query / key-value latent ranks (q_lora_rank 0: no query compression), the
+    # per-head dims of q and k without and with rotary embedding, of v
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

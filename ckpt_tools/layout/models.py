@@ -70,10 +70,12 @@ def row_shapes(row: dict, cfg: ModelConfig) -> list:
     return [(n, tuple(int(x) for x in fn(cfg))) for n, fn in zip(names, fns)]
 
 
-def layer_rows(table, cfg: ModelConfig, i: int) -> list:
-    """The rows of layer ``i`` (an MTP layer's own rows first, then its decoder layer's)."""
+def layer_rows(table, cfg: ModelConfig, i: int, side: str | None = None) -> list:
+    """The rows of layer ``i`` (an MTP layer's own rows first, then its decoder layer's); ``side`` "mcore" /
+    "vllm": only the rows that name a tensor there (a row may name one side only, e.g. MLA's down projections,
+    two Megatron tensors, one fused vLLM tensor)."""
     rows = (list(getattr(table, "MTP", ())) if i >= cfg.layers else []) + list(table.LAYER)
-    return [r for r in rows if applies(r, cfg, i)]
+    return [r for r in rows if applies(r, cfg, i) and (side is None or side in r)]
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
@@ -181,16 +183,16 @@ class MegatronLayout:
             self._place[key] = ("global", None)
         pre = table.LAYER_PREFIX_HF
         if not cfg.mixed:  # every layer alike: one key per row, the layer axis prepended
-            for row in layer_rows(table, cfg, 0) if L else ():
+            for row in layer_rows(table, cfg, 0, "mcore") if L else ():
                 self._add(prefix + MCORE_LAYERS, row, [(i, pre.format(i=i)) for i in range(L)], ("stacked", None))
         else:
             for i in range(L):
-                for row in layer_rows(table, cfg, i):
+                for row in layer_rows(table, cfg, i, "mcore"):
                     self._add(prefix + f"{MCORE_LAYERS}{i}.", row, [(i, pre.format(i=i))], ("layer", i))
         mtp_rows = list(getattr(table, "MTP", ()))
         for k in range(cfg.mtp_layers):
             i = L + k
-            for row in layer_rows(table, cfg, i):
+            for row in layer_rows(table, cfg, i, "mcore"):
                 base = prefix + MCORE_MTP.format(k=k) + ("" if row in mtp_rows else MCORE_MTP_LAYER)
                 self._add(base, row, [(i, pre.format(i=i))], ("mtp", k))
         self._objects(table.EXTRA_STATE[spec], getattr(table, "MTP_EXTRA_STATE", {}).get(spec, ()))
@@ -385,7 +387,9 @@ class VllmLayout:
       (replicated t // nkv times), else heads [r*nkv/t, (r+1)*nkv/t); layout [q | k | v].
     * ``col`` (RowParallelLinear): input dim split in t equal parts.
     * ``gate_up`` (MergedColumnParallelLinear): [gate part r; up part r] (dense MLPs and shared experts).
-    * ``rep``: ReplicatedLinear / RMSNorm / the router's bias: full tensor on every rank.
+    * ``rep``: ReplicatedLinear / RMSNorm / the router's bias: full tensor on every rank (several HF tensors: their
+      rows concatenated, MergedReplicatedLinear).
+    * ``row`` (ColumnParallelLinear): output rows in t equal parts.
     * ``vocab`` (layers/vocab_parallel_embedding.py): vocab padded to a multiple of 64, rank r holds rows
       [r*P, (r+1)*P) of the padded table (P = padded / t); rows >= vocab are padding (zeros).
     * ``w13`` / ``w2`` (layers/fused_moe/layer.py FusedMoE, unquantized): experts of this rank (all, or
@@ -433,7 +437,7 @@ class VllmLayout:
                 add(vrow, name, *self._rule(vrow["vllm"][1], name, [row["hf"]], tp_rank, rank))
             for i in range(cfg.layers):
                 pre = table.LAYER_PREFIX_HF.format(i=i)
-                for row in layer_rows(table, cfg, i):
+                for row in layer_rows(table, cfg, i, "vllm"):
                     vname = pre + self._name(row, names)
                     self._logical[vname] = (pre, row)
                     hfn = [pre + n for n in _as_tuple(row["hf"])]
@@ -441,7 +445,9 @@ class VllmLayout:
             self.ranks.append(tensors)
         # extra non-parameter entries the version's loader requires (same on every rank): (name, shape, dtype, value)
         self.buffers: list[tuple] = []
+        old, new = getattr(table, "VLLM_BUFFERS_AT", {}).get(names["version"], ("", "")) if names else ("", "")
         for bname, shape, dtype, value in (names["buffers"] if names else []):
+            bname = new + bname[len(old):] if old and bname.startswith(old) else bname
             for i in range(cfg.layers):
                 self.buffers.append((table.LAYER_PREFIX_HF.format(i=i) + bname, tuple(shape), dtype, value))
 
@@ -465,10 +471,19 @@ class VllmLayout:
         cfg, par, shapes = self.cfg, self.par, self.hf_shapes
         t = par.tp
         segs = []
-        if rule == "rep":
-            shp = shapes[hfn[0]]
-            segs.append(Segment(hfn[0], full_box(shp), name, full_box(shp)))
-            return shp, segs
+        if rule == "rep":  # several HF tensors: their rows one after the other (MLA's fused_qkv_a_proj)
+            r = 0
+            for h in hfn:
+                shp = shapes[h]
+                segs.append(Segment(h, full_box(shp), name, ((r, r + shp[0]),) + full_box(shp[1:])))
+                r += shp[0]
+            return (r,) + shapes[hfn[0]][1:], segs
+        if rule == "row":  # ColumnParallelLinear: output rows in t equal parts (MLA's projections, by heads)
+            R = shapes[hfn[0]][0]
+            a, b = split_range(R, t, "--tp", f"{hfn[0]} rows")[tp_rank]
+            rest = full_box(shapes[hfn[0]][1:])
+            segs.append(Segment(hfn[0], ((a, b),) + rest, name, ((0, b - a),) + rest))
+            return (b - a,) + shapes[hfn[0]][1:], segs
         if rule == "col":
             R, C = shapes[hfn[0]]
             a, b = split_range(C, t, "--tp", f"{hfn[0]} columns")[tp_rank]

@@ -60,6 +60,13 @@ def transformer_kwargs(cfg) -> dict:
                       moe_router_topk_scaling_factor=raw.get("routed_scaling_factor") or None)
     if cfg.mtp_layers:
         kw["mtp_num_layers"] = cfg.mtp_layers
+    if cfg.kv_lora_rank:  # multi-latent attention (MLATransformerConfig): q / kv layernorms, default rope (no yarn:
+        # rotary_scaling_factor 1 keeps its softmax scale 1/sqrt(q head dim), transformers' without rope scaling)
+        kw.update(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
+                  qk_head_dim=cfg.qk_nope_dim, qk_pos_emb_head_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim,
+                  kv_channels=cfg.v_head_dim, qk_layernorm=True, rope_type="rope", rotary_scaling_factor=1.0,
+                  rotary_base=float((raw.get("rope_parameters") or {}).get("rope_theta") or raw.get("rope_theta")
+                                    or 10000), max_position_embeddings=raw["max_position_embeddings"])
     return kw
 
 
@@ -84,15 +91,16 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     cfg = config_from_dict(hfcfg)
     etp = etp or tp
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     E = cfg.experts
-    tc = TransformerConfig(
-        **transformer_kwargs(cfg), normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+    kw = transformer_kwargs(cfg)
+    tc = (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(
+        **kw, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last, hidden_dropout=0.0, attention_dropout=0.0,
@@ -101,7 +109,11 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm") if E else \
-        get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
+        get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm",
+                                 multi_latent_attention=tc.multi_latent_attention)
+    if tc.multi_latent_attention:  # the local DotProductAttention, taking MLA's k / v channel arguments
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention.submodules.core_attention = _mcore_cpu.mla_core_attention()
     extra = {}
     if cfg.mtp_layers:
         extra["mtp_block_spec"] = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False)

@@ -76,8 +76,9 @@ FP8_BLOCK = (128, 128)
 
 def fp8_quantizable(name: str, shape) -> bool:
     """The tensors DeepSeek's and Qwen3's FP8 releases store in FP8: the layers' linear weights (q/k/v/o, the
-    experts' and dense MLPs' gate/up/down); embeddings, lm_head, norms and the router stay as they are."""
-    return len(shape) == 2 and name.startswith("model.layers.") and name.endswith("_proj.weight")
+    experts' and dense MLPs' gate/up/down, MLA's q_a / q_b / kv_a_proj_with_mqa / kv_b, MTP's eh_proj);
+    embeddings, lm_head, norms and the router stay as they are."""
+    return len(shape) == 2 and name.startswith("model.layers.") and name.endswith(("_proj.weight", "_mqa.weight"))
 
 
 def fp8_block_quant(w: torch.Tensor, block=FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

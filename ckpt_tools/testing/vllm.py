@@ -149,17 +149,21 @@ def capture_loaded_state(loaded, processed=None) -> None:
 
 
 def start_llm(model: str, tp: int = 1, *, expert_parallel: bool = False, max_model_len: int = 64,
-              max_num_seqs: int = 2, keep_moe_layout: bool = False, **kw):
+              max_num_seqs: int = 2, keep_layout: bool = False, **kw):
     """``vllm.LLM`` for this rank (call in every rank of the world, with :func:`rank_env` in ``os.environ``):
     external_launcher, eager (no graph capture on CPU), no tokenizer (prompts are token ids), seed 0. ``kw``
-    goes to ``LLM`` as well (``load_format``, ``dtype``, ``data_parallel_size``, ...). ``keep_moe_layout``: the
-    expert weights stay as loaded (:func:`_keep_cpu_moe_weights`; no generation then)."""
+    goes to ``LLM`` as well (``load_format``, ``dtype``, ``data_parallel_size``, ...). ``keep_layout``: every weight
+    stays as loaded, for tests that write the live parameters and compare them (no generation then): the MoE
+    experts' (:func:`_keep_cpu_moe_weights`) and MLA's ``kv_b_proj``, which the AMX MLA backend empties once it has
+    packed it (layers/attention/mla_attention.py process_weights_after_loading): the CPU_MLA backend, explicitly
+    requested, keeps it (platforms/cpu.py get_attn_backend_cls; a model without MLA ignores the request)."""
     from vllm import LLM
 
     _unique_cpu_shm_names()
     _keep_cpu_linear_weights()
-    if keep_moe_layout:
+    if keep_layout:
         _keep_cpu_moe_weights()
+        kw.setdefault("attention_backend", "CPU_MLA")
     return LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                distributed_executor_backend="external_launcher", skip_tokenizer_init=True, enforce_eager=True,
                seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5, **kw)
