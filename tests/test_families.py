@@ -28,7 +28,9 @@ from ckpt_tools.verify import verify
 from conftest import run_megatron
 
 FAMILIES = ["qwen2", "llama", "mixtral", "glm4_moe", "deepseek_v3"]
-MOE = {"mixtral", "glm4_moe", "deepseek_v3"}
+# variants judged by megatron-core and vLLM too: DeepSeek without query compression (q_lora_rank null: q_proj)
+VARIANTS = {"deepseek_v3-noq": ("deepseek_v3", dict(q_lora_rank=None))}
+MOE = {"mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3-noq"}
 PROMPTS = [[1, 2, 3, 4, 5], [249, 17, 100], [7] * 9]
 
 
@@ -80,10 +82,11 @@ def models(tmp_path_factory):
     def get(family, dtype="fp32"):
         key = (family, dtype)
         if key not in made:
-            made[key] = make_tiny_hf(str(root / f"{family}_{dtype}"), model_type=family, seed=7,
-                                     dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-            if family in MTP:
-                add_mtp(made[key], MTP[family])
+            base, kw = VARIANTS.get(family, (family, {}))
+            made[key] = make_tiny_hf(str(root / f"{family}_{dtype}"), model_type=base, seed=7,
+                                     dtype=torch.float32 if dtype == "fp32" else torch.bfloat16, **kw)
+            if base in MTP:
+                add_mtp(made[key], MTP[base])
         return made[key]
 
     return get
@@ -110,7 +113,7 @@ def _equal_hf(a, b):
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + list(VARIANTS))
 def test_megatron_loads_ours_and_saves_the_same(family, models, tmp_path):
     hf, topo = models(family), topology(family)
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "megatron_saved")
@@ -182,7 +185,7 @@ def vllm_runs(models, tmp_path_factory):
 
     sh, gen = dict(load_format="sharded_state"), dict(prompts=PROMPTS, max_tokens=8)
     jobs, out = [], {}
-    for family in FAMILIES:
+    for family in FAMILIES + list(VARIANTS):
         hf, d = models(family, "bf16"), tmp_path_factory.mktemp(f"vllm_{family}")
         mc, tp2, ep = str(d / "mc"), str(d / "tp2"), str(d / "ep")
         convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), progress=False)
@@ -198,7 +201,7 @@ def vllm_runs(models, tmp_path_factory):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + list(VARIANTS))
 def test_vllm_loads_ours_bit_for_bit(family, models, vllm_runs):
     tp2, runs = vllm_runs[family]["tp2"], vllm_runs[family]["runs"]
     _same_params(runs[1]["params"], runs[0]["params"])
@@ -245,6 +248,13 @@ def test_cli_commands_answer_for_every_family(family, models, tmp_path, capsys):
         assert main(["plan", "--config", preset, "--tp", "4", "--vllm-tp", "4"] + moe) == 0, preset
     assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", str(tmp_path / "back"), "--no-progress"]) == 0
     _equal_hf(hf, str(tmp_path / "back"))
+    # Megatron -> Megatron: another topology and the local loader's names, model weights only
+    re = str(tmp_path / "re")
+    assert main(["reshard", "--from", mc, "--hf-config", hf, "--to", "mcore", "--spec", "local", "--tp", "1",
+                 "--pp", "2", "--out", re, "--no-progress"] + (["--ep", "4"] if family in MOE else [])) == 0
+    if family in MOE:  # (a dense model's weight names are the same in both specs)
+        assert McoreView(re, HFView(hf).cfg).spec == "local"
+    assert main(["verify", "--hf", hf, "--mcore", re, "--no-progress"]) == 0
     shutil.rmtree(mc)
 
 
@@ -372,3 +382,17 @@ def test_torchrun_output_is_one_process_output_glm(models, tmp_path):
         return {k: v for k, v in _tree(d).items() if not k.startswith("ckpt_tools")}
 
     assert data(one) == data(two) and data(one + "_hf") == data(two + "_hf")
+
+
+def test_an_unknown_family_is_one_line_naming_the_known_ones(models, tmp_path, capsys):
+    from ckpt_tools.cli import main
+
+    for edit, says in ((dict(model_type="gpt2"), "model_type 'gpt2' is not supported (supported: "),
+                       (dict(architectures=["Qwen2ForRewardModel"]), "architectures names Qwen2ForRewardModel")):
+        hf = _edited_copy(models("qwen2", "bf16"), str(tmp_path / f"hf{len(edit)}{says[:5]}"), **edit)
+        capsys.readouterr()
+        assert main(["hf2mcore", "--hf", hf, "--out", str(tmp_path / "mc"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+        if "gpt2" in says:
+            assert all(t in err for t in converters.model_types())

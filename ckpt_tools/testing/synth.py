@@ -21,7 +21,7 @@ TINY, TINY_VLLM = _USERS.TINY, _USERS.TINY_VLLM
 
 def twin_config(hidden=32, head_dim=8, moe_ffn=16, vocab=160) -> dict:
     """Qwen3-235B-A22B's layer/expert/head counts (94 layers, 128 experts top-8, 64 q / 4 kv heads) with tiny widths."""
-    d = dict(load_config("qwen3-235b-a22b").raw)
+    d = dict(load_config(next(iter(_USERS.PRESETS))).raw)  # the users' model: their family's first preset
     d.update(hidden_size=hidden, head_dim=head_dim, moe_intermediate_size=moe_ffn, intermediate_size=moe_ffn * 2,
              vocab_size=vocab)
     return d
