@@ -354,6 +354,7 @@ def run_steps(rank, world, a):
     from ckpt_tools.testing.vllm import rank_env, start_llm
 
     os.environ.update(rank_env(rank, world, a["port"]))
+    os.environ.update(a.get("env_rank", {}).get(str(rank), {}))  # this rank's own switches (e.g. the device path)
     sys.path.insert(0, os.path.dirname(__file__))
     from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel, box_slices
     from ckpt_tools.layout.model_config import load_config
@@ -413,6 +414,7 @@ def run_steps(rank, world, a):
         finally:
             vm.load_weights = own_load
         info["loaded"] = sorted(set(loaded))
+        info["scratch_left"] = sorted(sched.__dict__.get("_scratch", {}))  # reused flat buffers kept after the step
         got = {n: p.detach().clone() for n, p in vm.named_parameters()}
         vm.load_weights((n, state[n]) for n in names)  # vLLM's own loaders on the full HF tensors: the reference
         ref = {n: p.detach() for n, p in vm.named_parameters()}

@@ -278,7 +278,8 @@ def test_real_colocated_moe_expert_parallel_params(tmp_path):
 
 
 @vllm_needed
-def test_real_direct_and_delta_over_steps(tmp_path):
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+def test_real_direct_and_delta_over_steps(tmp_path, device_path):
     """Issue 24: real megatron actor PP2 (1 + 2 layers) and real vLLM TP2 in the same 2 processes, 6 syncs with
     direct apply and delta, the actor's weights moved between steps as an optimizer does (fp32 masters, small
     relative steps, rounded to bf16). After every step every vLLM parameter equals, bitwise, what vLLM's own
@@ -286,17 +287,24 @@ def test_real_direct_and_delta_over_steps(tmp_path):
     later steps replay it and send only changed elements: the job's density is the changed fraction counted here
     from the HF tensors, independently. Events: one live element changed on rank 1 (then with verification off)
     -> that message is sent full, the result exact; the parameters re-created -> the map is learned again; a
-    loader that negates model.norm.weight -> that parameter falls back to load_weights, named, still exact."""
+    loader that negates model.norm.weight -> that parameter falls back to load_weights, named, still exact.
+    Issue 35: run once more on the device path (CKPT_TOOLS_SYNC_DEVICE_PATH=on on rank 1 only: the preflight makes it
+    every rank's choice): the positional digest kernel proves every step and finds the touched base, the reused
+    flat buffers are freed after every step, waits poll, shadows are copies - what every NCCL / HCCL job runs."""
     a = _dense_hf(str(tmp_path / "A"), 0)
     events = {"2": ["touch"], "3": ["touch", "noverify"], "4": ["recreate", "transform"]}
     res, _ = run_worker(tmp_path, mode="steps", world=2, hf_a=a, vpar={"tp": 2}, mpar={"pp": 2, "layer_list": [1, 2]},
-                        steps=6, rel=1e-4, events=events)
+                        steps=6, rel=1e-4, events=events,
+                        env_rank={"1": {"CKPT_TOOLS_SYNC_DEVICE_PATH": "on"}} if device_path else {})
     for r in (0, 1):
         steps = res[r]["steps"]
         assert len(steps) == 6 and all("error" not in s for s in steps), steps
         for i, s in enumerate(steps):
             rep, job = s["report"], s["job"]
             assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives
+            assert rep["device_path"] is device_path and rep["digest"] == ("positional" if device_path else "xxh3")
+            if device_path:  # the reused flat buffers go back after every step, the CPU being the device
+                assert s["scratch_left"] == [], (i, s["scratch_left"])
             if i in (0, 4):  # learning the map: through load_weights, full messages
                 assert rep["map_learned"] and not rep["direct"] and job["messages_delta"] == 0, (i, rep)
                 assert len(s["loaded"]) == rep["tensors_total"] > 10, (i, s["loaded"])

@@ -18,6 +18,7 @@ from ..core import numbers
 from ..layout import box_numel, box_shape, box_slices
 from . import apply as sync_apply
 from . import delta as sync_delta
+from . import digest as digest_mod
 from .comm import (
     ABANDONED,
     SyncError,
@@ -98,23 +99,31 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     ``unproven_pieces`` (fallback parameters' pieces: transfer proven, installation done by vLLM's loader),
     ``direct`` (this step replayed the map), ``map_learned``, ``fallback_params``, ``encode_seconds``,
     ``transfer_seconds``, ``apply_seconds``, ``verify_seconds``, ``seconds``, ``scratch_bytes`` (reused flat buffers,
-    one message at most per device; freed on devices at the step's end), ``job``: the sums over all ranks."""
+    one message at most per device; freed on devices at the step's end), ``device_path`` (the job ran the device
+    path: some rank holds device tensors or set ``CKPT_TOOLS_SYNC_DEVICE_PATH=on``, see
+    :func:`~ckpt_tools.sync.preflight.forced_device_path`), ``digest`` (``positional`` or ``xxh3``), ``job``: the
+    sums over all ranks."""
     timeout_s = numbers.check(timeout_s, numbers.TIMEOUT, "timeout_s", SyncError)
     if shadow not in ("host", "device"):
         raise SyncError(f"shadow must be 'host' or 'device' (got {shadow!r})")
+    step = None
     with torch.no_grad():
         try:
-            return _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
-                         direct, delta and direct, shadow).run()
+            step = _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
+                         direct, delta and direct, shadow)
+            return step.run()
         except SyncError:
             raise
         except Exception as e:  # noqa: BLE001 - a digest, an allocation, a device error: one line like every other
             raise SyncError(f"weight sync failed on rank {_rank_of()}: {type(e).__name__}: {_one_line(e)}; "
                             f"vLLM weights may be partially updated") from None
-        finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults)
+        finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults;
+            # on the forced device path the CPU is the device: freed too)
             scratch = getattr(schedule, "__dict__", {}).get("_scratch", {})
-            for dev in [d for d in scratch if d != "cpu"]:
+            every = getattr(step, "device_path", False)
+            for dev in [d for d in scratch if d != "cpu" or every]:
                 del scratch[dev]
+            digest_mod.release(every)
 
 
 _COUNTERS = ("recv_bytes", "recv_net_bytes", "sent_bytes", "sent_full_bytes", "local_bytes", "messages_sent",
@@ -157,14 +166,15 @@ class _Step:
         t0 = time.perf_counter()
         need = {(p.key, p.chunk_box) for p in s.pieces if p.src == rank}
         self.local = (s.rollout_ranks.index(rank) % s.vpar.world) if rank in s.rollout_ranks else None
-        self.chunks, self.live, anyone_learns = _preflight(
-            s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
-            [bool(self.verify), bool(self.direct), bool(self.delta)], self._learns)
+        pf = _preflight(s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
+                        [bool(self.verify), bool(self.direct), bool(self.delta)], self._learns)
+        self.chunks, self.live, anyone_learns, self.device_path = pf.chunks, pf.live, pf.anyone_learns, pf.device_path
         self.rdev = _device_of(self.vm)
         total = len(s.needs_local[self.local]) if self.local is not None else 0
         self.cnt = dict.fromkeys(_COUNTERS, 0)
         self.cnt.update(dict.fromkeys(_TIMES, 0.0), tensors_total=total, direct=False, map_learned=False, no_direct="",
-                        fallback_params=[])
+                        fallback_params=[], device_path=self.device_path,
+                        digest="positional" if self.device_path else "xxh3")
         self.sent_digests = defaultdict(list)  # receiver -> [(bucket, digest)] of the messages sent to it
         self.scratch = s.__dict__.setdefault("_scratch", {})  # reused flat buffers (see comm._flat)
         self._plan_receiving()
@@ -304,7 +314,8 @@ class _Step:
             mode, k = DENSE, n
             old = st.shadow.get((b, dst))
             if old is not None and st.shadow_digest.get((b, dst)) == base:
-                idx = sync_delta.changed(new, old.to(new.device, non_blocking=True))
+                # (a host shadow moves to the send device; on the device path a copy even when that is the CPU)
+                idx = sync_delta.changed(new, old.to(new.device, non_blocking=True, copy=self.device_path))
                 k = idx.numel()
                 mode = sync_delta.choose(n, k, e)
                 if mode != DENSE:
@@ -361,7 +372,7 @@ class _Step:
                 if self.verify:
                     self.sent_digests[dst].append((b, d))
                 if self.delta:
-                    st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
+                    st.shadow[(b, dst)] = new.to("cpu", copy=self.device_path) if self.shadow_host else new
                     st.shadow_digest[(b, dst)] = int(d)
             if self.verify and selfs:
                 mine = checked_digest_run([self.src_view(p) for p in selfs], dtype, self.scratch)
