@@ -50,8 +50,9 @@ Figures per method: ``seconds`` (median over steps 2..N, barrier to barrier, slo
 ``step1_s``), ``sent_mib`` (bytes put on the wire by all ranks in the last step: payload + headers; a colocated
 rank's copies to itself are not sent), ``bytes_ratio`` (``ours`` sent / this method's sent, last step),
 ``density`` (changed / compared elements, from the delta syncs' own counters), messages full / delta,
-``encode / transfer / apply / verify`` seconds of the last step (slowest rank, from the sync's counters) and
-``peak_rss_gib`` (the largest resident set of any rank while that method ran, sampled every 5 ms).
+``encode / transfer / apply / verify`` seconds of the last step (slowest rank, from the sync's counters),
+``cpu_s`` (median over steps 2..N of the CPU seconds all ranks spent in the step, every thread: user + system of
+each process; what a loaded machine's wall time hides) and ``peak_rss_gib`` (the largest resident set of any rank while that method ran, sampled every 5 ms).
 ``speedup`` = baseline seconds / ours; ``verify_cost`` = ``X_verified`` seconds / ``X`` for each X.
 """
 from __future__ import annotations
@@ -172,8 +173,9 @@ def _worker(rank, world, init, args, q):
             for m in METHODS[k:] + METHODS[:k]:  # each method first / middle / last in turn
                 dist.barrier()
                 peak.start()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 cnt = fns[m](scheds[m], actor, recv[m] if recv else None, timeout_s=args.timeout)
+                cnt["cpu"] = time.process_time() - c0
                 dist.barrier()
                 cnt["wall"] = time.perf_counter() - t0
                 cnt["rss"] = peak.end()
@@ -275,11 +277,13 @@ def main(argv=None):
     for m in METHODS:
         steps = [[outs[r][0][m][i] for r in range(world)] for i in range(args.steps)]
         secs = [max(c["wall"] for c in st) for st in steps]
+        cpus = [sum(c["cpu"] for c in st) for st in steps]
         last = steps[-1]
         mx = lambda key: max(c.get(key, 0.0) for c in last)  # noqa: E731
         sm = lambda key: sum(c.get(key, 0) for c in last)  # noqa: E731
         methods[m] = {
             "seconds": statistics.median(secs[1:] or secs), "step1_s": secs[0], "seconds_all": secs,
+            "cpu_seconds": statistics.median(cpus[1:] or cpus), "cpu_seconds_all": cpus,
             "sent_bytes": sm("sent_bytes"), "sent_full_bytes": sm("sent_full_bytes"),
             "messages_full": sm("messages_full"), "messages_delta": sm("messages_delta"),
             "messages_rebased": sm("messages_rebased"),
@@ -306,20 +310,24 @@ def main(argv=None):
     mib = 2 ** 20
     print(f"{sched.describe()}; {world} gloo processes; model {st['model_bytes'] / mib:.1f} MiB; {args.steps} steps "
           f"(--rel {args.rel:g}), methods in rotated order")
-    print(f"{'method':21} {'seconds':>8} {'step1_s':>8} {'sent MiB':>9} {'bytes_ratio':>11} {'density':>8} "
-          f"{'full/delta':>11} {'enc/xfer/apply/verify s':>24} {'peak RSS GiB':>12}")
+    print(f"{'method':21} {'seconds':>8} {'cpu_s':>7} {'step1_s':>8} {'sent MiB':>9} {'bytes_ratio':>11} "
+          f"{'density':>8} {'full/delta':>11} {'enc/xfer/apply/verify s':>24} {'peak RSS GiB':>12}")
     for m, v in methods.items():
         dens = f"{v['density']:.4f}" if v["density"] is not None else "-"
         ratio = f"{v['bytes_ratio']:.1f}x" if v["bytes_ratio"] else "-"
         parts = "/".join(f"{v[k]:.2f}" for k in ("encode_seconds", "transfer_seconds", "apply_seconds",
                                                    "verify_seconds"))
-        print(f"{m:21} {v['seconds']:8.3f} {v['step1_s']:8.3f} {v['sent_bytes'] / mib:9.2f} {ratio:>11} {dens:>8} "
+        print(f"{m:21} {v['seconds']:8.3f} {v['cpu_seconds']:7.3f} {v['step1_s']:8.3f} {v['sent_bytes'] / mib:9.2f} "
+              f"{ratio:>11} {dens:>8} "
               f"{v['messages_full']:>5}/{v['messages_delta']:<5} {parts:>24} {v['peak_rss_gib']:12.2f}")
     print("ratios (median seconds, steps 2..N): " + ", ".join(
         [f"baseline / ours {out['speedup']:.2f}x",
          f"ours_direct / ours {methods['ours_direct']['seconds'] / o['seconds']:.3f}",
-         f"ours_delta / ours {methods['ours_delta']['seconds'] / o['seconds']:.3f}"]
+         f"ours_delta / ours {methods['ours_delta']['seconds'] / o['seconds']:.3f}",
+         f"ours_delta / ours_direct {methods['ours_delta']['seconds'] / methods['ours_direct']['seconds']:.3f}"]
         + [f"{m}_verified / {m} {c:.3f}" for m, c in out["verify_cost"].items()]))
+    print("ratios (median CPU seconds of all ranks): " + ", ".join(
+        f"{m} / ours {methods[m]['cpu_seconds'] / o['cpu_seconds']:.3f}" for m in methods if m != "ours"))
     fb = methods["ours_direct"]["fallback_params"]
     print(f"direct apply replayed on every receiver: {methods['ours_direct']['direct']}; fallback parameters: "
           f"{', '.join(fb) if fb else 'none'}")

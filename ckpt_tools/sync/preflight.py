@@ -97,12 +97,13 @@ class Preflight(NamedTuple):
 
 
 def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=(),
-               learns=None) -> Preflight:
+               learns=None, extra=None) -> Preflight:
     """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
     chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
     fingerprints and problems (one monitored all-gather on the control group). Re-attaches expert
     ``weight_loader``s a vLLM build dropped (see ckpt_tools.sync.live). Sets this process's digest: xxh3 when every
-    rank holds its tensors on the CPU and none forced the device path, else the positional kernel."""
+    rank holds its tensors on the CPU and none forced the device path, else the positional kernel. ``extra``: small
+    fields added to this rank's summary (every rank gets every rank's: ``Preflight.peers``)."""
     problem, chunks, live, forced = "", {}, None, False
     try:
         forced = forced_device_path()
@@ -142,7 +143,8 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
     cpu = not forced and all(t.device.type == "cpu" for t in chunks.values()) and \
         (not is_roll or vllm_model is None or _device_of(vllm_model).type == "cpu")
     mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500],
-            "opts": list(opts), "cpu": cpu, "learns": bool(learns(live)) if learns is not None else False}
+            "opts": list(opts), "cpu": cpu, "learns": bool(learns(live)) if learns is not None else False,
+            **(extra or {})}
     alls = _exchange_summaries(mine, comm, timeout_s)
     # every rank on the CPU (gloo), none forcing the device path: the host digest (ckpt_tools.sync.digest), the same
     # choice on every rank
