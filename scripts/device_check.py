@@ -32,7 +32,8 @@ Needs torch (a CUDA build for ``--device cuda``), numpy, xxhash, tqdm and megatr
    the elements changed): encode (compare with the shadow + positions + payload), patch (decode + write the
    changed elements through a message's map, contiguous and strided), apply (a dense message copied into
    parameter views), digest (positional kernel; xxh3 on the CPU), the shadow's host <-> device copies (pinned and
-   pageable; CUDA only). ``--json`` writes them (``stages``: GB/s) for ``ckpt-tools plan --sync --calibrate``.
+   pageable; CUDA only), and the fixed cost per message of a stage (``op_us``: encode / patch / digest of a 64 KiB
+   message). ``--json`` writes them (``stages``: GB/s, ``op_us``) for ``ckpt-tools plan --sync --calibrate``.
 
 Prints one table with the device's name; exit 0 when every check passed, 1 when one failed (named), 2 on a usage
 error (no CUDA device for ``--device cuda``, a missing package named).
@@ -387,6 +388,18 @@ def stage_throughput(dev, mib: int, reps: int) -> dict:
     out["apply"] = nbytes / _timeit(lambda: apply_dense(sinks, new, {}), dev, reps) / 1e9
     D.use_host(False)
     out["digest"] = nbytes / _timeit(lambda: D.digest(new), dev, reps) / 1e9
+    # the fixed cost per message: encode, patch and digest of a 64 KiB message (its bytes cost next to nothing)
+    sn = 32768
+    s_old, s_new = old[:sn].clone(), new[:sn].clone()
+    s_idx = DL.changed(s_new, s_old)
+    s_mode = DL.choose(sn, s_idx.numel(), 2)
+    s_pay = DL.encode(s_new, s_idx, s_mode)
+    s_flat = torch.zeros(sn, dtype=torch.bfloat16, device=dev)
+    s_plan = DL.PatchPlan([Sink(sn, (s_flat,), base=s_flat, off=0)], dev)
+    small = [_timeit(lambda: DL.encode(s_new, DL.changed(s_new, s_old), s_mode), dev, reps),
+             _timeit(lambda: DL.patch(s_plan, *DL.decode(s_pay, s_mode, sn, s_idx.numel(), torch.bfloat16)), dev, reps),
+             _timeit(lambda: D.digest(s_new), dev, reps)]
+    out["op_us"] = statistics.mean(small) * 1e6
     if dev.type == "cpu":
         D.use_host(True)
         out["xxh3"] = nbytes / _timeit(lambda: D.digest(new), dev, reps) / 1e9
@@ -413,6 +426,7 @@ STAGE_NOTES = {
     "shadow_copy": "a host shadow's copy (CPU to CPU)",
     "h2d_pinned": "shadow host -> device, pinned", "d2h_pinned": "shadow device -> host, pinned",
     "h2d_pageable": "shadow host -> device, pageable", "d2h_pageable": "shadow device -> host, pageable",
+    "op_us": "us per message per stage (encode / patch / digest of a 64 KiB message, mean)",
 }
 
 
@@ -491,7 +505,9 @@ def main(argv=None) -> int:
           f"({time.perf_counter() - t:.1f} s):")
     print(f"    {'stage':14} {'GB/s':>8}  what")
     for k, v in stages.items():
-        print(f"    {k:14} {v:8.2f}  {STAGE_NOTES.get(k, '')}")
+        if k != "op_us":
+            print(f"    {k:14} {v:8.2f}  {STAGE_NOTES.get(k, '')}")
+    print(f"    {'op_us':14} {stages['op_us']:8.1f}  {STAGE_NOTES['op_us']}")
     ok = not fails
     print(f"device_check: {'OK' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s"
           + ("" if ok else f": {len(fails)} problem(s), first: {fails[0]}"))
