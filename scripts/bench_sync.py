@@ -7,6 +7,12 @@ per-step verification (``*_verified``), against the verl-style gather-everything
 
     python scripts/bench_sync.py --quick --json sync.json   # 8 gloo processes, a few minutes on 2 cores
     python scripts/bench_sync.py --json sync.json           # the full shape: 94 layers, 128 experts
+    python scripts/bench_sync.py --quick --link-gbps 0.06   # cross-node traffic shaped to 0.06 GB/s per rank
+    python scripts/bench_sync.py --quick --methods ours,ours_delta   # a subset (the first: the bitwise reference)
+
+``--link-gbps G`` runs each pretend node's ranks in a network namespace of the bench's own, nodes joined through
+a bridge by veth pairs shaped with ``tc tbf`` to G x ranks-per-node (root and iproute2; see :class:`Links` and
+docs/sync.md for how G is chosen); without it the ranks talk over loopback.
 
 One run launches N processes (``torch.multiprocessing``, gloo on localhost) and runs ``--steps`` training steps.
 Between steps the actor's weights move as an optimizer moves them: every actor chunk keeps an fp32 master copy

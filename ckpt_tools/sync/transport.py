@@ -404,8 +404,9 @@ class _Step:
             mode, k = hrecv.get(src, (DENSE, n))
             if mode != DENSE:
                 self.delta_got[src].append(b)
-            if mode != DENSE and k == 0:
+            if mode != DENSE and k == 0:  # nothing changed: no payload, the regions already hold the values
                 cnt["messages_received"] += 1
+                cnt["recv_net_bytes"] += n * s.elem
                 continue
             buf = rbufs[src]
             if not self.replay:
