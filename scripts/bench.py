@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Side-by-side conversion benchmark: cp -r vs hf2mcore vs mcore2hf vs reshard vs the megatron-model baseline.
+"""Side-by-side conversion benchmark: the raw O_DIRECT copy and cp -r vs hf2mcore vs mcore2hf vs reshard vs the
+megatron-model baseline. The reference is the raw copy (every file read and written with O_DIRECT, 16 MiB
+requests, 4 files in flight, GNU dd: what the disk gives a streaming copy); every ratio is to it.
 
     python scripts/bench.py                        # headline: 3 and 6 GB models, 3 alternating repeats
     python scripts/bench.py --quick                # ~1 GB, one repeat, no baseline: a smoke run
@@ -183,44 +185,59 @@ dist_checkpointing.save(m.sharded_state_dict(), %(out)r)
 '''
 
 
+RAW = "raw O_DIRECT copy"
+
+
+def raw_copy_cmd(src: str, dst: str) -> list[str]:
+    """The raw copy: every file of ``src`` read and written with O_DIRECT in 16 MiB requests, 4 files in flight
+    (GNU dd; its last, partial block is written with O_DIRECT turned off), nothing else: what the disk gives a
+    streaming copy, the ceiling of every conversion (they read each byte once and write it once)."""
+    return ["bash", "-c", 'mkdir -p "$2" && cd "$1" && find . -maxdepth 1 -type f -printf "%P\\0" | '
+            'xargs -0 -P4 -I{} dd if={} of="$2/{}" bs=16M iflag=direct oflag=direct status=none', "raw", src, dst]
+
+
 def _table(rows, out=print):
-    """``x cp``: median cp time / median step time. ``paired``: the median over repeats of cp's time / the
-    step's time in the same round (minutes apart, so less exposed to the disk's drift than medians taken
-    over the whole run)."""
-    out(f"{'size GB':>7} {'step':<30} {'median s':>8} {'best s':>7} {'GB/s':>6} {'x cp':>5} {'paired':>6} "
-        f"{'peak RSS GiB':>12} {'anon GiB':>8}  cache")
+    """``/ raw``: median step time / median time of the raw O_DIRECT copy (the reference; cp -r when the raw
+    copy did not run); ``paired``: the median over repeats of the step's time / the reference's in the same round
+    (minutes apart, so less exposed to the disk's drift than medians taken over the whole run); ``/ cp``: median
+    step time / cp -r's."""
+    ref_name = RAW if any(r["step"] == RAW for r in rows) else "cp -r"
+    out(f"{'size GB':>7} {'step':<30} {'median s':>8} {'best s':>7} {'GB/s':>6} {'/ raw' if ref_name == RAW else '/ cp':>6} "
+        f"{'paired':>6} {'/ cp':>5} {'peak RSS GiB':>12} {'anon GiB':>8}  cache")
     summary = []
     for gb in sorted({r["size_gb"] for r in rows}):
-        cps = {r["repeat"]: r["seconds"] for r in rows if r["size_gb"] == gb and r["step"] == "cp -r"}
-        cp = statistics.median(cps.values())
+        refs = {r["repeat"]: r["seconds"] for r in rows if r["size_gb"] == gb and r["step"] == ref_name}
+        ref = statistics.median(refs.values())
+        cp = statistics.median(r["seconds"] for r in rows if r["size_gb"] == gb and r["step"] == "cp -r")
         for name in dict.fromkeys(r["step"] for r in rows):
             rs = [r for r in rows if r["size_gb"] == gb and r["step"] == name]
             med = statistics.median(r["seconds"] for r in rs)
-            paired = statistics.median(cps[r["repeat"]] / r["seconds"] for r in rs)
+            paired = statistics.median(r["seconds"] / refs[r["repeat"]] for r in rs)
             rss = max(r["peak_rss"] for r in rs)
             anon = max(r["peak_rss_anon"] for r in rs)
             summary.append(dict(step=name, size_gb=gb, bytes=rs[0]["bytes"], median_s=med,
                                 best_s=min(r["seconds"] for r in rs), runs=[r["seconds"] for r in rs],
-                                x_cp=cp / med, x_cp_paired=paired, gbps=rs[0]["bytes"] / med / 1e9,
-                                peak_rss=rss, peak_rss_anon=anon,
+                                reference=ref_name, over_ref=med / ref, over_ref_paired=paired, x_cp=cp / med,
+                                gbps=rs[0]["bytes"] / med / 1e9, peak_rss=rss, peak_rss_anon=anon,
                                 cache_dropped=all(r["cache_dropped"] for r in rs)))
             out(f"{gb:>7.2f} {name:<30} {med:>8.2f} {min(r['seconds'] for r in rs):>7.2f} "
-                f"{rs[0]['bytes'] / med / 1e9:>6.3f} {cp / med:>5.2f} {paired:>6.2f} {rss / 2**30:>12.2f} "
-                f"{anon / 2**30:>8.2f}  {'dropped' if summary[-1]['cache_dropped'] else 'WARM (drop refused)'}")
+                f"{rs[0]['bytes'] / med / 1e9:>6.3f} {med / ref:>6.2f} {paired:>6.2f} {med / cp:>5.2f} "
+                f"{rss / 2**30:>12.2f} {anon / 2**30:>8.2f}  "
+                f"{'dropped' if summary[-1]['cache_dropped'] else 'WARM (drop refused)'}")
     sz = sorted({r["size_gb"] for r in rows})
     if len(sz) > 1:
         out("")
         out(f"linearity {sz[0]:g} -> {sz[-1]:g} GB (size x{sz[-1] / sz[0]:.2f}): time ratio, and the marginal "
-            f"throughput (extra bytes / extra seconds) as a ratio to cp's")
-        cpa = [x for x in summary if x["step"] == "cp -r" and x["size_gb"] == sz[0]][0]
-        cpb = [x for x in summary if x["step"] == "cp -r" and x["size_gb"] == sz[-1]][0]
+            f"throughput (extra bytes / extra seconds) as a ratio to the {ref_name}'s")
+        cpa = [x for x in summary if x["step"] == ref_name and x["size_gb"] == sz[0]][0]
+        cpb = [x for x in summary if x["step"] == ref_name and x["size_gb"] == sz[-1]][0]
         cp_marg = (cpb["bytes"] - cpa["bytes"]) / max(1e-9, cpb["median_s"] - cpa["median_s"])
         for name in dict.fromkeys(r["step"] for r in rows):
             a = [x for x in summary if x["step"] == name and x["size_gb"] == sz[0]][0]
             b = [x for x in summary if x["step"] == name and x["size_gb"] == sz[-1]][0]
             marg = (b["bytes"] - a["bytes"]) / max(1e-9, b["median_s"] - a["median_s"])
             out(f"  {name:<30} time x{b['median_s'] / a['median_s']:.2f}   marginal {marg / 1e9:.3f} GB/s "
-                f"= {marg / cp_marg:.2f} x cp")
+                f"= {marg / cp_marg:.2f} x {'raw' if ref_name == RAW else 'cp'}")
     return summary
 
 
@@ -345,8 +362,14 @@ def main():
     want = set(args.steps.split(","))
     if args.no_baseline:
         want.discard("baseline")
-    want.add("cp")
+    want.update({"cp", "raw"})
     from ckpt_tools.testing.synth import make_synthetic_hf
+
+    # every step runs ckpt-tools as an installed copy does: from compiled bytecode (pip compiles the package at
+    # install; a checkout run with PYTHONDONTWRITEBYTECODE=1, as this machine's environment sets, would compile
+    # its ~60 modules in every step: ~0.2-0.3 s of each start-up)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(ROOT, "ckpt_tools"),
+                    os.path.join(ROOT, "converters")], check=True, stdout=subprocess.DEVNULL)
 
     tool = [sys.executable, "-m", "ckpt_tools.cli"]
     extra = args.extra.split()
@@ -362,6 +385,7 @@ def main():
         out = lambda n: os.path.join(base, n)  # noqa: E731
         steps = [
             ("cp", "cp -r", ["cp", "-r", hf, out("cp")], out("cp")),
+            ("raw", RAW, raw_copy_cmd(hf, out("raw")), out("raw")),
             ("hf2mcore", "hf2mcore (TP4 EP4)", tool + ["hf2mcore", "--hf", hf, "--out", out("mcore"), "--tp", "4",
                                                    "--ep", "4"] + io, out("mcore")),
             ("mcore2hf", "mcore2hf", tool + ["mcore2hf", "--mcore", out("mcore"), "--hf-config", hf,
@@ -371,7 +395,7 @@ def main():
             ("verify", "verify hf vs mcore", tool + ["verify", "--hf", hf, "--mcore", out("mcore"), "--no-progress",
                                                      "--max-memory", args.max_memory], None),
         ]
-        base_steps = list(steps[1:])  # every step but cp
+        base_steps = list(steps[2:])  # every step but cp and the raw copy
         for n in sorted(set(args.procs) - {1}):  # the same steps under torchrun, their own outputs
             run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "ckpt_tools.cli"]
             for key, name, cmd, o in base_steps:
@@ -405,7 +429,7 @@ def main():
                       f"(anon {r['peak_rss_anon'] / 2**30:5.2f})", flush=True)
                 if o and o != out("mcore"):  # hf2mcore's output is the next steps' input
                     shutil.rmtree(o, ignore_errors=True)
-        for o in ("cp", "back", "vllm", "baseline"):
+        for o in ("cp", "raw", "back", "vllm", "baseline"):
             shutil.rmtree(out(o), ignore_errors=True)
     print()
     summary = _table(rows)

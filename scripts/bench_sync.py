@@ -7,6 +7,12 @@ per-step verification (``*_verified``), against the verl-style gather-everything
 
     python scripts/bench_sync.py --quick --json sync.json   # 8 gloo processes, a few minutes on 2 cores
     python scripts/bench_sync.py --json sync.json           # the full shape: 94 layers, 128 experts
+    python scripts/bench_sync.py --quick --link-gbps 0.06   # cross-node traffic shaped to 0.06 GB/s per rank
+    python scripts/bench_sync.py --quick --methods ours,ours_delta   # a subset (the first: the bitwise reference)
+
+``--link-gbps G`` runs each pretend node's ranks in a network namespace of the bench's own, nodes joined through
+a bridge by veth pairs shaped with ``tc tbf`` to G x ranks-per-node (root and iproute2; see :class:`Links` and
+docs/sync.md for how G is chosen); without it the ranks talk over loopback.
 
 One run launches N processes (``torch.multiprocessing``, gloo on localhost) and runs ``--steps`` training steps.
 Between steps the actor's weights move as an optimizer moves them: every actor chunk keeps an fp32 master copy
@@ -50,8 +56,9 @@ Figures per method: ``seconds`` (median over steps 2..N, barrier to barrier, slo
 ``step1_s``), ``sent_mib`` (bytes put on the wire by all ranks in the last step: payload + headers; a colocated
 rank's copies to itself are not sent), ``bytes_ratio`` (``ours`` sent / this method's sent, last step),
 ``density`` (changed / compared elements, from the delta syncs' own counters), messages full / delta,
-``encode / transfer / apply / verify`` seconds of the last step (slowest rank, from the sync's counters) and
-``peak_rss_gib`` (the largest resident set of any rank while that method ran, sampled every 5 ms).
+``encode / transfer / apply / verify`` seconds of the last step (slowest rank, from the sync's counters),
+``cpu_s`` (median over steps 2..N of the CPU seconds all ranks spent in the step, every thread: user + system of
+each process; what a loaded machine's wall time hides) and ``peak_rss_gib`` (the largest resident set of any rank while that method ran, sampled every 5 ms).
 ``speedup`` = baseline seconds / ours; ``verify_cost`` = ``X_verified`` seconds / ``X`` for each X.
 """
 from __future__ import annotations
@@ -144,8 +151,74 @@ def _fns():
     return fns
 
 
+class Links:
+    """``--link-gbps``: the ranks of each (pretend) node in a network namespace of the bench's own, the nodes joined
+    by veth pairs to a bridge in one more namespace, every node's veth and its bridge port shaped with ``tc tbf``
+    to G x ranks-per-node (G per rank, as ``plan --inter-node-gbps`` is per device). A rank talks to the ranks of
+    its node over that namespace's loopback (not shaped) and to the others through the bridge (shaped); gloo
+    binds the node's veth (``GLOO_SOCKET_IFNAME``). Addresses 10.77.0.0/24 exist only inside these namespaces;
+    everything is deleted when the bench ends. Needs root and iproute2 (``ip``, ``tc``)."""
+
+    def __init__(self, nodes: int, gbps_per_rank: float, ranks_per_node: int):
+        self.tag = f"bsync{os.getpid()}"
+        self.nodes = [f"{self.tag}n{k}" for k in range(nodes)]
+        self.switch = f"{self.tag}sw"
+        self.rate_bit = int(gbps_per_rank * ranks_per_node * 8e9)
+        self.made = []
+
+    def _ip(self, *cmd):
+        import subprocess
+
+        r = subprocess.run(list(cmd), capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.stdout.strip()}")
+
+    def up(self):
+        burst = max(64 * 1024, self.rate_bit // 8 // 200)  # 5 ms at the rate
+        shape = ["root", "tbf", "rate", f"{self.rate_bit}bit", "burst", str(burst), "latency", "200ms"]
+        for ns in [self.switch] + self.nodes:
+            self._ip("ip", "netns", "add", ns)
+            self.made.append(ns)
+            self._ip("ip", "-n", ns, "link", "set", "lo", "up")
+        self._ip("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        self._ip("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for k, ns in enumerate(self.nodes):
+            self._ip("ip", "link", "add", f"n{k}", "netns", ns, "type", "veth", "peer", "name", f"p{k}", "netns",
+                     self.switch)
+            self._ip("ip", "-n", ns, "addr", "add", f"10.77.0.{k + 1}/24", "dev", f"n{k}")
+            self._ip("ip", "-n", ns, "link", "set", f"n{k}", "up")
+            self._ip("ip", "-n", self.switch, "link", "set", f"p{k}", "master", "br0", "up")
+            self._ip("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", f"n{k}", *shape)
+            self._ip("ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", f"p{k}", *shape)
+        return self
+
+    def down(self):
+        for ns in reversed(self.made):
+            try:
+                self._ip("ip", "netns", "del", ns)
+            except RuntimeError:
+                pass
+        self.made = []
+
+
+def _enter_node(args, rank):
+    """Move this (fresh, single-threaded) rank into its node's namespace and make gloo use the node's veth."""
+    import ctypes
+
+    k = rank // args.ranks_per_node
+    fd = os.open(f"/var/run/netns/{args.netns[k]}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {args.netns[k]} failed")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = f"n{k}"
+
+
 def _worker(rank, world, init, args, q):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.netns:
+        _enter_node(args, rank)
     import torch
     import torch.distributed as dist
 
@@ -154,34 +227,36 @@ def _worker(rank, world, init, args, q):
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        scheds = {m: _schedule(args) for m in METHODS}  # one each: its own direct map and delta shadows
-        sched = scheds["baseline"]
+        methods = args.methods
+        scheds = {m: _schedule(args) for m in methods}  # one each: its own direct map and delta shadows
+        sched = scheds[methods[0]]
         dtype = sched.dtype
         actor = FakeActor(sched, rank, dtype) if rank in sched.actor_ranks else None
         masters = _masters(actor)
         local = sched.rollout_ranks.index(rank) % sched.vpar.world if rank in sched.rollout_ranks else None
-        recv = {m: LayoutReceiver(scheds[m], local, dtype) for m in METHODS} if local is not None else None
+        recv = {m: LayoutReceiver(scheds[m], local, dtype) for m in methods} if local is not None else None
         peak = _Peak()
         fns = _fns()
-        res = {m: [] for m in METHODS}
+        res = {m: [] for m in methods}
         same = []
         for step in range(args.steps):
             if step and actor is not None:
                 _perturb(actor, masters, step, args.rel)
-            k = step % len(METHODS)
-            for m in METHODS[k:] + METHODS[:k]:  # each method first / middle / last in turn
+            k = step % len(methods)
+            for m in methods[k:] + methods[:k]:  # each method first / middle / last in turn
                 dist.barrier()
                 peak.start()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 cnt = fns[m](scheds[m], actor, recv[m] if recv else None, timeout_s=args.timeout)
+                cnt["cpu"] = time.process_time() - c0
                 dist.barrier()
                 cnt["wall"] = time.perf_counter() - t0
                 cnt["rss"] = peak.end()
                 cnt.pop("job", None)
                 res[m].append(cnt)
             if recv is not None:  # every method left exactly what the baseline left, and it is not all zeros
-                ref = recv["baseline"].params
-                same.append(all(torch.equal(recv[m].params[n], ref[n]) for m in METHODS for n in ref)
+                ref = recv[methods[0]].params  # (the baseline; without it, ours)
+                same.append(all(torch.equal(recv[m].params[n], ref[n]) for m in methods for n in ref)
                             and all(bool(v.abs().sum() > 0) for v in ref.values()))
         peak.stop = True
         q.put((rank, res, all(same), local))
@@ -229,8 +304,21 @@ def main(argv=None):
                     help="ranks per (pretend) node for the source choice and the cross-node figure (default 4)")
     ap.add_argument("--bucket-bytes", type=int, default=64 << 20, help="sync bucket bound per rank (default 64 MiB)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-transfer timeout in seconds (default 600)")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma-separated subset of {','.join(METHODS)} (default: all; ours is always needed); the "
+                         f"first is the reference every other is compared with bitwise")
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="limit the ranks' cross-node traffic to G GB/s per rank (network namespaces + tc tbf, root "
+                         "and iproute2 needed; default: loopback, unlimited); see docs/sync.md for how G was chosen")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    if args.link_gbps is not None and not 0 < args.link_gbps < 1e4:
+        ap.error("--link-gbps must be a rate in GB/s > 0")
+    args.methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(METHODS)
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or "ours" not in args.methods:
+        ap.error(f"--methods: a comma-separated subset of {','.join(METHODS)} holding ours (got {bad or 'no ours'})")
+    args.methods.sort(key=METHODS.index)  # the baseline (when run) first: the reference
     shape = QUICK if args.quick else FULL
     args.layers, args.experts, args.layer_list = shape["layers"], shape["experts"], shape["layer_list"]
     args.steps = args.steps or shape["steps"]
@@ -238,8 +326,6 @@ def main(argv=None):
         ap.error("--steps must be >= 1")
     if not 0 < args.rel < 1:
         ap.error("--rel must be in (0, 1)")
-
-    import torch.multiprocessing as mp
 
     t_start = time.perf_counter()
     sched = _schedule(args)
@@ -249,6 +335,26 @@ def main(argv=None):
         return 2
     st = sched.stats()
     world = sched.world
+    args.netns, links = None, None
+    if args.link_gbps is not None:
+        links = Links(-(-world // args.ranks_per_node), args.link_gbps, args.ranks_per_node)
+        try:
+            links.up()
+        except (RuntimeError, OSError) as e:
+            links.down()
+            print(f"bench_sync: error: --link-gbps needs network namespaces and tc as root ({e})", file=sys.stderr)
+            return 2
+        args.netns = links.nodes
+    try:
+        return _run(args, sched, st, world, links, t_start)
+    finally:
+        if links is not None:
+            links.down()
+
+
+def _run(args, sched, st, world, links, t_start):
+    import torch.multiprocessing as mp
+
     tmp = tempfile.mkdtemp(prefix="bench_sync-")
     init = f"file://{tmp}/rdzv"
     ctx = mp.get_context("spawn")
@@ -272,14 +378,16 @@ def main(argv=None):
         return 1
 
     methods = {}
-    for m in METHODS:
+    for m in args.methods:
         steps = [[outs[r][0][m][i] for r in range(world)] for i in range(args.steps)]
         secs = [max(c["wall"] for c in st) for st in steps]
+        cpus = [sum(c["cpu"] for c in st) for st in steps]
         last = steps[-1]
         mx = lambda key: max(c.get(key, 0.0) for c in last)  # noqa: E731
         sm = lambda key: sum(c.get(key, 0) for c in last)  # noqa: E731
         methods[m] = {
             "seconds": statistics.median(secs[1:] or secs), "step1_s": secs[0], "seconds_all": secs,
+            "cpu_seconds": statistics.median(cpus[1:] or cpus), "cpu_seconds_all": cpus,
             "sent_bytes": sm("sent_bytes"), "sent_full_bytes": sm("sent_full_bytes"),
             "messages_full": sm("messages_full"), "messages_delta": sm("messages_delta"),
             "messages_rebased": sm("messages_rebased"),
@@ -295,8 +403,10 @@ def main(argv=None):
     for v in methods.values():
         v["bytes_ratio"] = o["sent_bytes"] / v["sent_bytes"] if v["sent_bytes"] else None
     same = all(v[1] for v in outs.values())
-    out = {"methods": methods, "speedup": methods["baseline"]["seconds"] / o["seconds"],
-           "verify_cost": {m: methods[m + "_verified"]["seconds"] / methods[m]["seconds"] for m in OPTS},
+    out = {"methods": methods,
+           "speedup": methods["baseline"]["seconds"] / o["seconds"] if "baseline" in methods else None,
+           "verify_cost": {m: methods[m + "_verified"]["seconds"] / methods[m]["seconds"] for m in OPTS
+                           if m in methods and m + "_verified" in methods},
            "identical_results": same, "model_bytes": st["model_bytes"], "ranks": world,
            "schedule": sched.describe(), "buckets": st["buckets"], "steps": args.steps, "rel": args.rel,
            "shape": {"layers": args.layers, "experts": args.experts, **WIDTHS, "heads": sched.cfg.heads,
@@ -306,24 +416,37 @@ def main(argv=None):
     mib = 2 ** 20
     print(f"{sched.describe()}; {world} gloo processes; model {st['model_bytes'] / mib:.1f} MiB; {args.steps} steps "
           f"(--rel {args.rel:g}), methods in rotated order")
-    print(f"{'method':21} {'seconds':>8} {'step1_s':>8} {'sent MiB':>9} {'bytes_ratio':>11} {'density':>8} "
-          f"{'full/delta':>11} {'enc/xfer/apply/verify s':>24} {'peak RSS GiB':>12}")
+    if links is not None:
+        nodes = len(links.nodes)
+        print(f"cross-node traffic limited to {args.link_gbps:g} GB/s per rank: {nodes} nodes of {args.ranks_per_node} "
+              f"ranks, each in its own network namespace, its veth and bridge port shaped to "
+              f"{links.rate_bit / 1e9:g} Gbit/s (tc tbf); planned bytes crossing nodes in a full step "
+              f"{st['cross_node_bytes'] / mib:.1f} MiB")
+        out["link_gbps"] = args.link_gbps
+    print(f"{'method':21} {'seconds':>8} {'cpu_s':>7} {'step1_s':>8} {'sent MiB':>9} {'bytes_ratio':>11} "
+          f"{'density':>8} {'full/delta':>11} {'enc/xfer/apply/verify s':>24} {'peak RSS GiB':>12}")
     for m, v in methods.items():
         dens = f"{v['density']:.4f}" if v["density"] is not None else "-"
         ratio = f"{v['bytes_ratio']:.1f}x" if v["bytes_ratio"] else "-"
         parts = "/".join(f"{v[k]:.2f}" for k in ("encode_seconds", "transfer_seconds", "apply_seconds",
                                                    "verify_seconds"))
-        print(f"{m:21} {v['seconds']:8.3f} {v['step1_s']:8.3f} {v['sent_bytes'] / mib:9.2f} {ratio:>11} {dens:>8} "
+        print(f"{m:21} {v['seconds']:8.3f} {v['cpu_seconds']:7.3f} {v['step1_s']:8.3f} {v['sent_bytes'] / mib:9.2f} "
+              f"{ratio:>11} {dens:>8} "
               f"{v['messages_full']:>5}/{v['messages_delta']:<5} {parts:>24} {v['peak_rss_gib']:12.2f}")
+    pairs = [("baseline", "ours"), ("ours_direct", "ours"), ("ours_delta", "ours"), ("ours_delta", "ours_direct"),
+             ("ours_delta_verified", "ours_verified")] + [(m + "_verified", m) for m in OPTS]
     print("ratios (median seconds, steps 2..N): " + ", ".join(
-        [f"baseline / ours {out['speedup']:.2f}x",
-         f"ours_direct / ours {methods['ours_direct']['seconds'] / o['seconds']:.3f}",
-         f"ours_delta / ours {methods['ours_delta']['seconds'] / o['seconds']:.3f}"]
-        + [f"{m}_verified / {m} {c:.3f}" for m, c in out["verify_cost"].items()]))
-    fb = methods["ours_direct"]["fallback_params"]
-    print(f"direct apply replayed on every receiver: {methods['ours_direct']['direct']}; fallback parameters: "
-          f"{', '.join(fb) if fb else 'none'}")
-    print(f"results bitwise identical to the baseline after every step: {same}; {out['total_seconds']:.0f} s in all")
+        f"{a} / {b} {methods[a]['seconds'] / methods[b]['seconds']:.3f}" for a, b in pairs
+        if a in methods and b in methods))
+    print("ratios (median CPU seconds of all ranks): " + ", ".join(
+        f"{m} / ours {methods[m]['cpu_seconds'] / o['cpu_seconds']:.3f}" for m in methods if m != "ours"))
+    dm = next((m for m in ("ours_direct", "ours_delta") if m in methods), None)
+    if dm:
+        fb = methods[dm]["fallback_params"]
+        print(f"direct apply replayed on every receiver: {methods[dm]['direct']}; fallback parameters: "
+              f"{', '.join(fb) if fb else 'none'}")
+    print(f"results bitwise identical to the {args.methods[0]}'s after every step: {same}; "
+          f"{out['total_seconds']:.0f} s in all")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -360,6 +360,29 @@ def _perturb(master, gen, rel, dtypes=None):
     return {n: optimizer_step(m, gen, rel, dtypes.get(n, torch.bfloat16)).clone() for n, m in master.items()}
 
 
+def _touch_shadow(sched, model, rank):
+    """Set, in one of this sender's delta shadows, the first element whose value changes this step to its new
+    value (what a shadow changed behind the sync looks like at its worst). Returns (bucket, receiver, position)."""
+    from ckpt_tools.layout import box_slices
+    from ckpt_tools.sync.preflight import local_chunks
+    from ckpt_tools.sync.transport import state_of
+
+    chunks = local_chunks(model)
+    shadows = state_of(sched).shadow
+    for (b, dst), old in sorted(shadows.items()):
+        views = []
+        for p in sched.message_pieces(b, rank, dst):
+            t = chunks[(p.key, p.chunk_box)]
+            views.append(t[box_slices(p.src_slice[len(p.chunk_box) - t.dim():])].reshape(-1).to(old.dtype))
+        new = torch.cat(views)
+        diff = (new.view(torch.int16) != old.view(torch.int16)).nonzero().flatten()
+        if diff.numel():
+            j = int(diff[0])
+            old[j] = new[j]
+            return [b, dst, j]
+    return None
+
+
 def run_steps(rank, world, a):
     """Real megatron actor + real vLLM in the same processes, ``steps`` syncs with direct apply and delta; after
     each, vLLM's own load_weights of the same HF tensors is the reference (what a full sync gives)."""
@@ -367,6 +390,7 @@ def run_steps(rank, world, a):
     from ckpt_tools.testing.vllm import rank_env, start_llm
 
     os.environ.update(rank_env(rank, world, a["port"]))
+    os.environ.update(a.get("env_rank", {}).get(str(rank), {}))  # this rank's own switches (e.g. the device path)
     sys.path.insert(0, os.path.dirname(__file__))
     from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel, box_slices
     from ckpt_tools.layout.model_config import load_config
@@ -405,6 +429,9 @@ def run_steps(rank, world, a):
         if "recreate" in ev:  # the parameters re-created (new tensors): the map must be learned again
             for prm in vm.parameters():
                 prm.data = prm.data.clone()
+        if "shadow" in ev and rank == 0:  # the sender's shadow changed behind the sync (issue 36): at the first
+            info["shadow_touched"] = _touch_shadow(sched, model, rank)  # element that changes this step, the
+            # shadow already holds the new value: the delta leaves it out, the receiver keeps the old one
         if "transform" in ev:  # a loader that transforms a parameter (a stand-in): negates model.norm.weight
             prm = dict(vm.named_parameters())["model.norm.weight"]
             prm.weight_loader = lambda param, w: param.data.copy_(-w)
@@ -440,6 +467,7 @@ def run_steps(rank, world, a):
         finally:
             vm.load_weights = own_load
         info["loaded"] = sorted(set(loaded))
+        info["scratch_left"] = sorted(sched.__dict__.get("_scratch", {}))  # reused flat buffers kept after the step
         got = {n: p.detach().clone() for n, p in vm.named_parameters()}
         vm.load_weights((n, state[n]) for n in names)  # vLLM's own loaders on the full HF tensors: the reference
         ref = {n: p.detach() for n, p in vm.named_parameters()}

@@ -24,7 +24,6 @@ DOCUMENTED = {
     ("ckpt_tools.dist.ranks", "torch.distributed"): "the CLI imports dist.ranks before torch",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.7 s (DTensor, sympy), in the background",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",
-    ("ckpt_tools.formats.safe_pickle", "torch.distributed.checkpoint.metadata"): "the same package",
 }
 NOT_PRODUCT = ("ckpt_tools.testing", "ckpt_tools._mcore_cpu")  # test support: outside these rules
 

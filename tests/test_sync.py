@@ -303,7 +303,8 @@ def test_real_colocated_moe_expert_parallel_params(tmp_path):
 
 
 @vllm_needed
-def test_real_direct_and_delta_over_steps(tmp_path):
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+def test_real_direct_and_delta_over_steps(tmp_path, device_path):
     """Issue 24: real megatron actor PP2 (1 + 2 layers) and real vLLM TP2 in the same 2 processes, 6 syncs with
     direct apply and delta, the actor's weights moved between steps as an optimizer does (fp32 masters, small
     relative steps, rounded to bf16). After every step every vLLM parameter equals, bitwise, what vLLM's own
@@ -312,24 +313,35 @@ def test_real_direct_and_delta_over_steps(tmp_path):
     from the HF tensors, independently. Events: one live element changed on rank 1 (then with verification off)
     -> that message is sent full, the result exact; the parameters re-created -> the map is learned again; a
     loader that negates model.norm.weight -> that parameter falls back to load_weights, named, still exact, and
-    proven every step against vLLM's own loader run again (issue 36). Last, the parameters re-created and vLLM's
-    embedding loader corrupting one element on its next call (a map being learned, verification on): the step
-    fails in one line naming the parameter (it used to pass as an unproven fallback)."""
+    proven every step against vLLM's own loader run again (issue 36).
+    Issue 36 item 6, step 7, verification off: rank 0's shadow of one message already holds the new value of an
+    element that changes (a shadow changed behind the sync): delta's proof after the patch finds the message and
+    sends it again in full, exact (before: that element stayed stale in vLLM, rc 0).
+    Last (step 8), the parameters re-created and vLLM's embedding loader corrupting one element on its next call (a
+    map being learned, verification on): the step fails in one line naming the parameter (it used to pass as an
+    unproven fallback).
+    Issue 35: run once more on the device path (CKPT_TOOLS_SYNC_DEVICE_PATH=on on rank 1 only: the preflight makes it
+    every rank's choice): the positional digest kernel proves every step and finds the touched base, the reused
+    flat buffers are freed after every step, waits poll, shadows are copies - what every NCCL / HCCL job runs."""
     a = _dense_hf(str(tmp_path / "A"), 0)
-    events = {"2": ["touch"], "3": ["touch", "noverify"], "4": ["recreate", "transform"],
-              "6": ["recreate", "corrupt_once"]}
+    events = {"2": ["touch"], "3": ["touch", "noverify"], "4": ["recreate", "transform"], "6": ["shadow", "noverify"],
+              "7": ["recreate", "corrupt_once"]}
     res, _ = run_worker(tmp_path, mode="steps", world=2, hf_a=a, vpar={"tp": 2}, mpar={"pp": 2, "layer_list": [1, 2]},
-                        steps=7, rel=1e-4, events=events)
+                        steps=8, rel=1e-4, events=events,
+                        env_rank={"1": {"CKPT_TOOLS_SYNC_DEVICE_PATH": "on"}} if device_path else {})
     for r in (0, 1):
-        steps, last = res[r]["steps"][:6], res[r]["steps"][6]
-        assert len(steps) == 6 and all("error" not in s for s in steps), steps
-        assert last["error"] == res[0]["steps"][6]["error"] and "\n" not in last["error"], last
+        steps, last = res[r]["steps"][:7], res[r]["steps"][7]
+        assert len(steps) == 7 and all("error" not in s for s in steps), steps
+        assert last["error"] == res[0]["steps"][7]["error"] and "\n" not in last["error"], last
         assert last["error"].startswith("weight sync verification failed: rank 1: vLLM parameter "
                                         "model.embed_tokens.weight (its loader is not a plain copy: written by neg_"), last
         assert "does not hold what vLLM's own loader makes of the bytes received in bucket" in last["error"], last
         for i, s in enumerate(steps):
             rep, job = s["report"], s["job"]
             assert s["diff"] == [], (i, s["diff"])  # bitwise what vLLM's own full load gives
+            assert rep["device_path"] is device_path and rep["digest"] == ("positional" if device_path else "xxh3")
+            if device_path:  # the reused flat buffers go back after every step, the CPU being the device
+                assert s["scratch_left"] == [], (i, s["scratch_left"])
             if i in (0, 4):  # learning the map: through load_weights, full messages
                 assert rep["map_learned"] and not rep["direct"] and job["messages_delta"] == 0, (i, rep)
                 assert len(s["loaded"]) == rep["tensors_total"] > 10, (i, s["loaded"])
@@ -345,13 +357,18 @@ def test_real_direct_and_delta_over_steps(tmp_path):
             if i == 5:  # replay with a fallback parameter: its messages go full, the rest as deltas
                 assert job["messages_delta"] > 0 and job["messages_rebased"] == 0 and job["messages_full"] > 0, job
                 assert 0 < job["changed_elements"] <= s["changed_net"], (job, s["changed_net"])
-            if i in (2, 3):  # the touched message: its base differs -> sent full, result exact (verify off in 3)
-                assert job["messages_rebased"] == 1 and job["messages_delta"] > 0, (i, job)
+            if i in (2, 3):  # the touched message: its base differs -> the delta does not prove, sent again in
+                assert job["messages_rebased"] == 1 and job["messages_delta"] > 0, (i, job)  # full; exact (verify
+                # off in 3: delta's proof runs whatever verify says)
+            if i == 6:  # the touched shadow: found by delta's proof without verification, resent, exact
+                assert res[0]["steps"][6]["shadow_touched"] is not None
+                assert job["messages_rebased"] == 1 and job["messages_delta"] > 0 and job["delta_proven"] > 0, job
+                assert rep["verified_pieces"] == 0, rep
             if i < 4:
                 assert rep["fallback_params"] == [] and rep["verified_pieces"] == (0 if i == 3 else rep["verified_pieces"])
             if i >= 4:  # the negating loader: model.norm.weight (on the last stage's vLLM ranks: both) falls back,
                 # proven by vLLM's own loader run again (issue 36: it was "proven on the wire" only)
                 assert rep["fallback_params"] == ["model.norm.weight"], (i, rep["fallback_params"])
-                assert rep["unproven_pieces"] == 0 and rep["loader_proven_pieces"] > 0, (i, rep)
-                assert rep["verified_pieces"] > 0, (i, rep)
+                assert rep["unproven_pieces"] == 0, (i, rep)
+                assert i == 6 or rep["verified_pieces"] > 0 and rep["loader_proven_pieces"] > 0, (i, rep)  # (6: off)
         assert steps[1]["report"]["verified_pieces"] > 0 and steps[3]["report"]["verified_pieces"] == 0

@@ -44,3 +44,85 @@ def test_host_digest_leaves_the_storage_resizable():
     D.digest_host([t])
     t.untyped_storage().resize_(0)
     assert t.untyped_storage().nbytes() == 0
+
+
+# ------------------------------------------------------------------ the two digests against their definitions
+def _edge_inputs():
+    """(name, tensor, dtype to digest as) on the edges of the kernels: lengths that are not a multiple of a 64-bit
+    word, of a 16 KiB block or of the positional kernel's 256-block slab; views that start off an 8-byte boundary
+    or are strided; -0.0 and NaN payloads; empty tensors; a widening cast."""
+    g = torch.Generator().manual_seed(7)
+    words = D.BLOCK * D.SLAB  # one slab of 64-bit words: 4 MiB
+    big = torch.randint(-2 ** 15, 2 ** 15, (4 * words + 4 * D.BLOCK + 3,), generator=g, dtype=torch.int16)
+    bf = torch.randn(3 * D.BLOCK * 4 + 5, generator=g).to(torch.bfloat16)
+    grid = torch.randn(37, 41, generator=g).to(torch.bfloat16)
+    zeros = torch.zeros(9, dtype=torch.bfloat16)
+    neg = zeros.clone()
+    neg[4] = -0.0
+    nan = torch.full((9,), float("nan"), dtype=torch.bfloat16)
+    nan2 = nan.clone()
+    nan2.view(torch.int16)[8] ^= 1  # another NaN payload
+    return [
+        ("empty", torch.empty(0, dtype=torch.bfloat16), None),
+        ("empty fp32 as bf16", torch.empty(0, 3), torch.bfloat16),
+        ("1 byte", torch.tensor([200], dtype=torch.uint8), None),
+        ("7 bytes", torch.arange(7, dtype=torch.uint8), None),
+        ("9 bytes", torch.arange(9, dtype=torch.uint8), None),
+        ("3 bf16", bf[:3], None),
+        ("one block exactly", bf[:D.BLOCK * 4], None),
+        ("one block + 1 element", bf[:D.BLOCK * 4 + 1], None),
+        ("3 blocks + 5 elements", bf, None),
+        ("unaligned start (2 bytes in)", bf[1:], None),
+        ("unaligned start and end", bf[3:-2], None),
+        ("column slice (strided)", grid[:, 5:17], None),
+        ("transposed", grid.t(), None),
+        ("0.0 x 9", zeros, None), ("-0.0 at 4", neg, None),
+        ("NaN x 9", nan, None), ("other NaN payload at 8", nan2, None),
+        ("fp32 digested as bf16", bf.float(), torch.bfloat16),
+        ("int64", torch.randint(-2 ** 62, 2 ** 62, (1001,), generator=g, dtype=torch.int64), None),
+        ("exactly one slab", big[:words * 4], None),
+        ("4 slabs + 4 blocks + 3 int16", big, None),
+        ("the same, 1 element in", big[1:], None),
+    ]
+
+
+def test_both_digests_equal_their_definitions_on_edge_inputs():
+    """Positional kernel == the definition written with numpy's wrapping uint64 (ckpt_tools.testing.digests), host
+    digest == xxh3 of the bytes, on every edge input; the values of distinct byte strings differ (-0.0 vs 0.0, two
+    NaN payloads, a view one element in)."""
+    from ckpt_tools.testing.digests import host_ref, positional_ref, tensor_bytes
+
+    seen = {}
+    try:
+        for name, t, dtype in _edge_inputs():
+            data = tensor_bytes(t, dtype)
+            D.use_host(False)
+            assert int(D.digest(t, dtype)) == positional_ref(data), name
+            D.use_host(True)
+            assert int(D.digest(t, dtype)) == host_ref(data), name
+            seen.setdefault(data, set()).add(name)
+    finally:
+        D.use_host(False)
+    pos = {positional_ref(b) for b in seen}
+    assert len(pos) == len(seen)  # no two distinct inputs collide (the -0.0, NaN and shifted ones included)
+
+
+def test_streamed_runs_equal_the_definition_of_their_concatenation():
+    """A message's run of views (several parameters, strided boxes, an unaligned one, an empty one) digests as the
+    definition of its concatenated bytes, on both digests (checked_digest_run: streamed on the host, one reused
+    flat buffer for the positional kernel)."""
+    from ckpt_tools.testing.digests import host_ref, positional_ref, tensor_bytes
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(64, 300, generator=g).to(torch.bfloat16)
+    b = torch.randn(5001, generator=g).to(torch.bfloat16)
+    run = [a[:, 7:130], b[1:], torch.empty(0, dtype=torch.bfloat16), a[3:9], b[:3]]
+    data = b"".join(tensor_bytes(t) for t in run)
+    scratch = {}
+    try:
+        D.use_host(False)
+        assert int(checked_digest_run(run, torch.bfloat16, scratch)) == positional_ref(data)
+        D.use_host(True)
+        assert int(checked_digest_run(run, torch.bfloat16, scratch)) == host_ref(data)
+    finally:
+        D.use_host(False)

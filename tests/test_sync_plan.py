@@ -203,3 +203,88 @@ def test_plan_sync_cli_errors():
     r = _cli(*USERS[:-1], "--vllm-ep", "32", "--sync")
     assert r.returncode == 2 and "--vllm-ep 32 must equal --vllm-tp x --vllm-dp" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ every stage priced (issue 34 part 3)
+def _small():
+    """Actor PP2 -> vLLM TP2 colocated on 2 ranks (each rank copies some regions to itself, sends the rest)."""
+    cfg = config_from_dict(dict(TINY, model_type="qwen3_moe"))
+    return SyncSchedule(cfg, MegatronParallel.build(6, pp=2, layer_list=[2, 4]), VllmParallel(2), "local",
+                        bucket_bytes=60000)
+
+
+def test_stage_figures_hand_computed_from_the_schedules_bytes():
+    """At 1 GB/s for every stage and no fixed cost, each stage's seconds on a rank are that rank's bytes from the
+    schedule's own stats (independent sums over its pieces): full = apply of everything it receives (self copies
+    too) + digests of what it sends and receives (self copies on both sides); delta at density 0.01 (int32 indices
+    for every message of this size) = shadow in of what it sends + encode of it + patch of what it receives over
+    the network + apply of its self copies + the same digests (the proof is the verification's)."""
+    from ckpt_tools.sync.cost import stage_figures, stage_rates
+
+    s = _small()
+    st = s.stats()
+    rates = stage_rates(None, encode=1, patch=1, digest=1, apply=1, host_link=1, op_us=0)
+    r = stage_figures(s, 0.01, rates, "host", True)
+    worst_full, worst_delta = r["full"]["rank"], r["delta"]["rank"]
+    for rank, got, kind in ((worst_full, r["full"], "full"), (worst_delta, r["delta"], "delta")):
+        recv, net = st["recv_bytes"][rank], st["recv_net_bytes"][rank]
+        sent, local = st["sent_bytes"][rank], recv - st["recv_net_bytes"][rank]
+        if kind == "full":
+            want = {"apply": recv, "digest": recv + sent + local}
+        else:
+            want = {"shadow_h2d": sent, "encode": sent, "patch": net, "apply": local, "digest": sent + net + 2 * local}
+        for k, v in want.items():
+            assert got["stages"][k] == pytest.approx(v / 1e9, rel=1e-9), (kind, k, got["stages"], v)
+    # the changed elements come back to the host: k = round(0.01 n) per message, (2 + 8) bytes each
+    k = sum(round(0.01 * sum(box_numel(p.hf_box) for p in ps))
+            for (b, src, dst), ps in s._messages().items() if src == worst_delta and dst != src)
+    assert r["delta"]["stages"]["shadow_d2h"] == pytest.approx(k * 10 / 1e9)
+    # a device shadow: no host link; without verification the full sync digests nothing, delta still proves
+    dev = stage_figures(s, 0.01, rates, "device", False)
+    assert "shadow_h2d" not in dev["delta"]["stages"] and "digest" not in dev["full"]["stages"]
+    assert dev["delta"]["stages"]["digest"] > 0
+    # the fixed cost per message and stage: 10 us x the rank's messages on each stage
+    r10 = stage_figures(s, None, stage_rates(None, encode=1e9, patch=1e9, digest=1e9, apply=1e9, host_link=1e9,
+                                             op_us=10), "host", False)
+    n_msgs = sum(c for (src, dst), c in s.pair_message_counts().items() if dst == r10["full"]["rank"])
+    assert r10["full"]["stages"]["apply"] == pytest.approx(n_msgs * 10e-6, rel=1e-6)
+
+
+def test_users_235b_stages_say_whether_delta_pays(users_job):
+    """The users' job at 1% density with the default rates: the host shadow's copy over PCIe (8.8 GiB at 25 GB/s)
+    costs more than the wire saves; a device shadow pays. The JSON says which placement it assumed."""
+    s, _ = users_job
+    r = plan_sync(s, density=0.01)
+    st = r["stages"]
+    assert st["shadow"] == "host" and st["verify"] is True and "defaults" in st["rates"]["source"]
+    d, f = st["delta"], st["full"]
+    assert d["stages"]["shadow_h2d"] == pytest.approx(max(r["ours"]["sent_bytes"]) / 25e9 + 1554 * 30e-6, rel=0.05)
+    assert f["wire_seconds"] == r["ours"]["predicted_seconds"] and d["wire_seconds"] == r["delta"]["predicted_seconds"]
+    assert st["delta_over_full"] > 1 > st["other_shadow"]["delta_over_full"] and st["other_shadow"]["shadow"] == "device"
+
+
+def test_plan_sync_calibrated_and_overridden(tmp_path):
+    """--calibrate FILE (a device check's JSON) replaces the defaults and says so; an explicit --*-gbps beats it;
+    a file that is not such a record is one line, exit 2."""
+    cal = tmp_path / "dc.json"
+    cal.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "kind": "cuda", "stages": {
+        "encode": 400.0, "patch": 900.0, "patch_strided": 300.0, "apply": 1200.0, "digest": 800.0,
+        "h2d_pinned": 50.0, "d2h_pinned": 50.0, "op_us": 20.0}}))
+    out = tmp_path / "plan.json"
+    r = _cli(*USERS, "--density", "0.01", "--calibrate", str(cal), "--digest-gbps", "123", "--shadow", "device",
+             "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    st = json.loads(out.read_text())["sync"]["stages"]
+    rates = st["rates"]
+    assert (rates["encode"], rates["patch"], rates["apply"], rates["digest"], rates["host_link"], rates["op_us"]) == \
+        (400.0, 300.0, 1200.0, 123.0, 50.0, 20.0)
+    assert "NVIDIA H100 80GB HBM3" in rates["source"] and st["shadow"] == "device"
+    assert "shadow_h2d" not in st["delta"]["stages"] and st["other_shadow"]["shadow"] == "host"
+    assert "measured by scripts/device_check.py on NVIDIA H100 80GB HBM3" in r.stdout
+    assert "delta (shadow on the device)" in r.stdout and ("delta pays" in r.stdout or "does not pay" in r.stdout)
+    bad = tmp_path / "bad.json"
+    for junk in ("[1, 2]", "{\"stages\": {\"encode\": \"fast\"}}", "not json"):
+        bad.write_text(junk)
+        r = _cli(*USERS, "--calibrate", str(bad))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"--calibrate {bad}: not a scripts/device_check.py --json record" in r.stderr and "Traceback" not in r.stderr

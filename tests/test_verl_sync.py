@@ -89,12 +89,15 @@ def _check(res, dense):
         assert res[0]["tokens_verl"] == res[1]["tokens_verl"]  # one TP2 engine: both ranks see the same output
 
 
-def _check_delta(res):
+def _check_delta(res, device_path=False):
     """CKPT_TOOLS_SYNC_DELTA=on through verl's real manager (worker step 5): after every step each vLLM parameter
     is bitwise what verl's own transfer of the same weights gives; the steps after the first went as deltas
-    onto a proven base, fewer bytes than full, at the density the optimizer-like step made."""
+    onto a proven base, fewer bytes than full, at the density the optimizer-like step made; every step ran the
+    digest of the path asked for (issue 35: CKPT_TOOLS_SYNC_DEVICE_PATH=on -> the positional kernel)."""
     for r, d in sorted(res.items()):
         assert d["delta_diff"] == [[]] * 3, (r, [x[:5] for x in d["delta_diff"]])
+        assert all(rep["digest"] == ("positional" if device_path else "xxh3") and rep["device_path"] is device_path
+                   for rep in d["delta_reports"]), d["delta_reports"]
         first, *later = d["delta_reports"]
         assert first["messages_delta"] == 0 and first["map_learned"], first
         for rep, dens in zip(later, d["actor_density"]):
@@ -105,15 +108,18 @@ def _check_delta(res):
             assert 0.002 < dens < 0.05 and 0.5 * dens < got < 2 * dens, (got, dens)
 
 
-def test_verl_sharding_manager_dense_pp2_to_tp2(tmp_path):
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+def test_verl_sharding_manager_dense_pp2_to_tp2(tmp_path, monkeypatch, device_path):
     """Qwen3 dense, actor PP2 (one layer per stage; verl get_model: DDP(Float16Module(GPTModel)), bf16) -> vLLM
     TP2 (kv heads 2, vocab padded): each rank needs half of the other stage's layer, so ours moves real data
-    between the ranks; verl's path vs ours vs check, parameters bitwise and greedy tokens."""
+    between the ranks; verl's path vs ours vs check, parameters bitwise and greedy tokens. Run once more with
+    CKPT_TOOLS_SYNC_DEVICE_PATH=on in the job's environment (issue 35: the path every NCCL / HCCL job takes)."""
+    monkeypatch.setenv("CKPT_TOOLS_SYNC_DEVICE_PATH", "on" if device_path else "off")
     hf = _dense_hf(str(tmp_path / "dense"))
     res, secs = run_verl_worker(tmp_path, hf=hf, moe=False, actor={"pp": 2}, infer_tp=2, prompts=PROMPTS,
                                 max_tokens=6, delta_steps=2, rel=1e-4)
     _check(res, dense=True)
-    _check_delta(res)
+    _check_delta(res, device_path)
     for d in res.values():  # real traffic: at least the other stage's half layer, and every piece proven
         rep = d["ours_report"]
         assert rep["recv_net_bytes"] > 40000 and rep["verified"] and rep["verified_pieces"] > 0, rep

@@ -21,7 +21,7 @@ from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders,
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
 from ..sync import SyncSchedule
-from ..sync.cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync
+from ..sync.cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync, stage_rates
 from ..verify import check_one, inspect_checks, print_one, print_report, verify
 
 
@@ -90,7 +90,8 @@ def _plan_sync(args, cfg, par, vp, p):
     s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
                      ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,
                      vocab_size_divisible_by=args.vocab_div)
-    r = plan_sync(s, intra, inter, lat, density=args.density)
+    r = plan_sync(s, intra, inter, lat, density=args.density, rates=_stage_rates(args), shadow=args.shadow,
+                  verify=args.sync_verify == "every")
     if r["problems"]:
         raise LayoutError(f"sync schedule fails its own check: {r['problems'][0]}")
     p["sync"] = r
@@ -116,6 +117,53 @@ def _plan_sync(args, cfg, par, vp, p):
           f"whole model {fmt_bytes(o['model_bytes'])}; predicted speedup {r['predicted_speedup']:.1f}x")
     if "delta" in r:
         _print_delta(s, o, r["delta"])
+    _print_stages(r["stages"])
+
+
+def _stage_rates(args) -> dict:
+    """plan --sync's stage rates: the defaults, a device check's measurements (--calibrate), explicit flags."""
+    cal = None
+    if args.calibrate:
+        try:
+            with open(args.calibrate) as f:
+                cal = json.load(f)
+            if not isinstance(cal, dict) or not isinstance(cal.get("stages"), dict):
+                raise ValueError("no 'stages' object")
+            for k, v in cal["stages"].items():
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6:
+                    raise ValueError(f"stage {k!r} is {v!r}, not a rate in GB/s")
+        except (OSError, ValueError) as e:
+            raise LayoutError(f"--calibrate {args.calibrate}: not a scripts/device_check.py --json record ({e})") \
+                from None
+    return stage_rates(cal, encode=args.encode_gbps, patch=args.patch_gbps, digest=args.digest_gbps,
+                       apply=args.apply_gbps, host_link=args.host_link_gbps, op_us=args.op_us)
+
+
+def _print_stages(st):
+    """Every stage of one step, full and (with --density) delta, on the slowest rank (sync.cost.stage_figures)."""
+    r = st["rates"]
+    print(f"every stage of one step, slowest rank ({'with' if st['verify'] else 'without'} per-step verification; "
+          f"stages and wire not overlapped); rates ({r['source']}) in GB/s: encode {r['encode']:g}, patch "
+          f"{r['patch']:g} (at 1% density), digest {r['digest']:g}, apply {r['apply']:g}, host link "
+          f"{r['host_link']:g}; {r['op_us']:g} us per message per stage")
+    names = [("wire (link model)", None), ("shadow host -> device", "shadow_h2d"), ("encode", "encode"),
+             ("shadow device -> host (changed)", "shadow_d2h"), ("patch", "patch"), ("apply", "apply"),
+             ("digests (verification / delta's proof)", "digest")]
+    cols = [k for k in ("full", "delta") if k in st]
+    print(f"{'':40}" + "".join(f"{c + (' (shadow on the ' + st['shadow'] + ')' if c == 'delta' else ''):>28}"
+                               for c in cols))
+    for label, key in names:
+        vals = [st[c]["wire_seconds"] if key is None else st[c]["stages"].get(key) for c in cols]
+        if all(v is None for v in vals):
+            continue
+        print(f"{label:40}" + "".join(f"{(f'{v:.3f} s' if v is not None else '-'):>28}" for v in vals))
+    print(f"{'total':40}" + "".join(f"{st[c]['seconds']:>26.3f} s" for c in cols))
+    if "delta" in st:
+        ratio, o = st["delta_over_full"], st["other_shadow"]
+        verdict = (f"delta pays: {1 / ratio:.2f}x faster than the full sync" if ratio < 1 else
+                   f"delta does not pay: {ratio:.2f}x the full sync's time")
+        print(f"{verdict} (shadow on the {st['shadow']}); with the shadow on the {o['shadow']} (--shadow "
+              f"{o['shadow']}): {o['seconds']:.3f} s, {o['delta_over_full']:.2f}x the full sync")
 
 
 def _print_delta(s, o, d):

@@ -233,6 +233,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also price a delta sync at this changed fraction of elements per step, in (0, 1] (e.g. 0.01): "
                         "bytes per rollout rank and across nodes, predicted time, bytes ratio vs full, the senders' "
                         "shadow memory per rank and per node (default: full sync only)")
+    g.add_argument("--shadow", choices=["host", "device"], default="host",
+                   help="where the delta's shadow is priced (sync_weights shadow=): host (default: CPU memory, the sent "
+                        "bytes cross the host link every step) or device (device memory, no copies)")
+    g.add_argument("--sync-verify", choices=["every", "first", "off"], default="every",
+                   help="price the per-step verification's digests (every, the default in verl) or not (first, off)")
+    g.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="stage rates measured on the device: the JSON of scripts/device_check.py --json (default: "
+                        "the derived rates stated in docs/sync.md)")
+    for stage, what in (("encode", "compare with the shadow, positions, payload"),
+                        ("patch", "changed elements written through the map, at 1%% density"),
+                        ("digest", "the positional digest"), ("apply", "a dense message written into parameters"),
+                        ("host-link", "a host shadow's copies to and from the device")):
+        g.add_argument(f"--{stage}-gbps", type=POSITIVE, default=None,
+                       help=f"{stage} rate in GB/s of message bytes per device ({what}); overrides --calibrate and "
+                            f"the default")
+    g.add_argument("--op-us", type=NONNEGATIVE, default=None,
+                   help="fixed cost per message of each stage, in us (kernel launches, a device->host sync; default "
+                        "30 or --calibrate)")
     p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
 
     p = sub.add_parser("inspect", help="summarize a checkpoint dir (any format)")

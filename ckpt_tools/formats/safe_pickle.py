@@ -11,9 +11,18 @@ megatron-core 0.12.1's ``dist_checkpointing.save`` writes (it adds ``all_local_p
 ``MCoreSavePlan`` with torch planner ``WriteItem``s, ``StorageMeta.checkpoint_id`` a ``PosixPath`` -
 megatron/core/dist_checkpointing/strategies/state_dict_saver.py ``global_metadata.all_local_plans = ...``,
 strategies/torch.py ``class MCoreSavePlan(SavePlan)``), and a verl-style checkpoint with optimizer entries.
+
+The torch DCP classes are read as *records* of the same names and fields (:class:`_Record`), not imported:
+``import torch.distributed.checkpoint`` costs ~0.6 s (DTensor, sympy; measured with ``python -X importtime``),
+a quarter of ``mcore2hf`` / ``reshard`` / ``inspect`` of a small checkpoint, and a reader needs only the fields.
+A record equals the real class's instance of the same fields (and a ``MetadataIndex`` hashes alike), so the
+metadata read here compares equal to what torch's own unpickling gives; ``TensorProperties`` decodes its
+memory format as torch/distributed/checkpoint/metadata.py ``TensorProperties.__setstate__`` does. Writing
+``.metadata`` uses torch's real classes (ckpt_tools.formats.torch_dist).
 """
 from __future__ import annotations
 
+import enum
 import pickle
 
 import torch
@@ -69,6 +78,73 @@ class _Inert:
 _STUB_CLASSES: dict = {}
 
 
+class _Record:
+    """A torch DCP metadata record by name and fields (see the module doc): built by pickle's NEWOBJ + BUILD (the
+    state goes to ``__dict__``) or by its fields in order; equal to any object of the same class name and fields."""
+
+    FIELDS: tuple = ()
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        for f, v in zip(self.FIELDS, args):
+            self.__dict__[f] = v
+        self.__dict__.update(kwargs)
+
+    def __eq__(self, other):
+        if type(other).__name__ != type(self).__name__:
+            return NotImplemented
+        return all(getattr(self, f, None) == getattr(other, f, None) for f in self.FIELDS)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f, None)!r}' for f in self.FIELDS)})"
+
+
+class _MemFormat(enum.Enum):  # torch/distributed/checkpoint/metadata.py _MEM_FORMAT_ENCODING
+    TORCH_CONTIGUOUS_FORMAT = 0
+    TORCH_CHANNELS_LAST = 1
+    TORCH_PRESERVE_FORMAT = 2
+
+
+def _record(name, fields, **extra):
+    # every field None at class level, as the real classes' defaults (MetadataIndex sets no ``offset`` attribute
+    # when it is None: its pickle has none)
+    return type(name, (_Record,), {"FIELDS": tuple(fields), "__module__": __name__, **dict.fromkeys(fields), **extra})
+
+
+def _tp_setstate(self, state):
+    self.dtype, self.layout, self.requires_grad, enc, self.pin_memory = state
+    self.memory_format = {_MemFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+                          _MemFormat.TORCH_CHANNELS_LAST: torch.channels_last,
+                          _MemFormat.TORCH_PRESERVE_FORMAT: torch.preserve_format}[_MemFormat(enc.value)]
+
+
+def _index_hash(self):  # a frozen dataclass's hash over its hashed fields (index: hash=False)
+    return hash((self.fqn, self.offset))
+
+
+_RECORDS = {
+    (_DCP_META, "Metadata"): _record("Metadata", ("state_dict_metadata", "planner_data", "storage_data",
+                                                  "storage_meta")),
+    (_DCP_META, "TensorStorageMetadata"): _record("TensorStorageMetadata", ("properties", "size", "chunks")),
+    (_DCP_META, "BytesStorageMetadata"): _record("BytesStorageMetadata", ()),
+    (_DCP_META, "ChunkStorageMetadata"): _record("ChunkStorageMetadata", ("offsets", "sizes")),
+    (_DCP_META, "TensorProperties"): _record("TensorProperties", ("dtype", "layout", "requires_grad",
+                                                                  "memory_format", "pin_memory"),
+                                             __setstate__=_tp_setstate),
+    (_DCP_META, "MetadataIndex"): _record("MetadataIndex", ("fqn", "offset"), __hash__=_index_hash),
+    (_DCP_META, "StorageMeta"): _record("StorageMeta", ("checkpoint_id", "save_id", "load_id", "modules")),
+    (_DCP_META, "_MEM_FORMAT_ENCODING"): _MemFormat,
+    (_DCP_FS, "_StorageInfo"): _record("_StorageInfo", ("relative_path", "offset", "length")),
+    (_DCP_FS, "_StoragePrefix"): _record("_StoragePrefix", ("prefix",)),
+}
+Metadata = _RECORDS[(_DCP_META, "Metadata")]
+TensorStorageMetadata = _RECORDS[(_DCP_META, "TensorStorageMetadata")]
+
+
 class SafeUnpickler(pickle.Unpickler):
     def __init__(self, f, what: str):
         super().__init__(f)
@@ -76,6 +152,14 @@ class SafeUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         key = (module, name)
+        if key in _RECORDS:
+            return _RECORDS[key]
+        if key in _ALLOWED and module == _DCP_PLANNER:  # megatron's save plans: never read, not imported
+            key = (module, name)
+            cls = _STUB_CLASSES.get(key)
+            if cls is None:
+                cls = _STUB_CLASSES[key] = type(name, (_Inert,), {"__module__": __name__})
+            return cls
         if key in _ALLOWED:
             return super().find_class(module, name)
         if key in _STUBS:
@@ -98,9 +182,5 @@ def load_metadata(path: str):
     with open(path, "rb") as f:
         md = SafeUnpickler(f, path).load()
     if getattr(md, "storage_meta", "absent") is None:
-        # lazy (a documented start-up cost): torch.distributed.checkpoint takes ~0.7 s to import (DTensor, sympy)
-        # and every command imports this module; find_class has imported it by now
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        md.storage_meta = StorageMeta()
+        md.storage_meta = _RECORDS[(_DCP_META, "StorageMeta")](None, None, None, [])
     return md

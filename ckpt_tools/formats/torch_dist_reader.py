@@ -17,8 +17,8 @@ from ..copy.fileio import read_rec_box
 from ..copy.plan import EngineError, Rec
 from ..core.files import read_json
 from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
-from .safe_pickle import UnsafePickleError, load_metadata
-from .torch_dist import DistCkptError, dcp
+from .safe_pickle import Metadata, TensorStorageMetadata, UnsafePickleError, load_metadata
+from .torch_dist import DistCkptError
 
 
 class TorchDistReader:
@@ -36,8 +36,6 @@ class TorchDistReader:
         backend = read_json(mj, DistCkptError).get("sharded_backend")
         if backend != "torch_dist":
             raise DistCkptError(f"{path}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
-        m = dcp()
-        Metadata, TensorStorageMetadata = m.Metadata, m.TensorStorageMetadata
         try:  # torch's FileSystemReader.read_metadata is a plain pickle.load: allow-list unpickler instead
             md = load_metadata(os.path.join(path, ".metadata"))
         except (FileNotFoundError, IsADirectoryError):

@@ -66,6 +66,16 @@ DELTA_HEADER_BYTES = 16   # per message: encoding, counts, the base's digest
 DELTA_INDEX_BYTES = 4     # int32 element indices
 
 
+def _message_sizes(schedule) -> list:
+    """[(sender, receiver, elements)] of every message of the schedule (self copies too), computed once."""
+    got = schedule.__dict__.get("_message_sizes")
+    if got is None:
+        got = schedule.__dict__["_message_sizes"] = [
+            (src, dst, sum(box_numel(p.hf_box) for p in pieces))
+            for dst in sorted(set(schedule.rollout_ranks)) for _b, src, pieces in schedule.messages_to(dst)]
+    return got
+
+
 def delta_message_bytes(n: int, elem: int, density: float) -> tuple[int, str]:
     """(bytes on the wire, encoding) of one message of ``n`` elements of ``elem`` bytes of which
     ``k = round(density * n)`` changed: ``dense`` n*e; ``bitmap`` ceil(n / 8) bytes rounded up to a multiple of
@@ -94,21 +104,19 @@ def delta_figures(schedule, density: float, intra_gbps=INTRA_GBPS, inter_gbps=IN
     recv, sent = defaultdict(int), defaultdict(int)
     full_net = cross = messages = 0
     encodings = defaultdict(int)
-    for dst in sorted(set(schedule.rollout_ranks)):
-        for _b, src, pieces in schedule.messages_to(dst):
-            if src == dst:
-                continue
-            n = sum(box_numel(p.hf_box) for p in pieces)
-            nb, how = delta_message_bytes(n, e, density)
-            encodings[how] += 1
-            messages += 1
-            full_net += n * e
-            recv[dst] += nb
-            sent[src] += nb
-            x = schedule.node(src) != schedule.node(dst)
-            cross += nb if x else 0
-            io[dst][2 if x else 0] += nb
-            io[src][3 if x else 1] += nb
+    for src, dst, n in _message_sizes(schedule):
+        if src == dst:
+            continue
+        nb, how = delta_message_bytes(n, e, density)
+        encodings[how] += 1
+        messages += 1
+        full_net += n * e
+        recv[dst] += nb
+        sent[src] += nb
+        x = schedule.node(src) != schedule.node(dst)
+        cross += nb if x else 0
+        io[dst][2 if x else 0] += nb
+        io[src][3 if x else 1] += nb
     st = schedule.stats()
     shadow = st["sent_bytes"]  # per actor rank: the full values it puts on the network
     per_node = defaultdict(int)
@@ -210,16 +218,123 @@ def gather_all_figures(schedule, intra_gbps=INTRA_GBPS, inter_gbps=INTER_GBPS,
 
 
 def plan_sync(schedule, intra_gbps=INTRA_GBPS, inter_gbps=INTER_GBPS, latency_us=LATENCY_US,
-              density: float | None = None) -> dict:
+              density: float | None = None, rates: dict | None = None, shadow: str = "host",
+              verify: bool = True) -> dict:
     """Both methods' figures for one schedule (``ckpt-tools plan --sync``): ours and, for comparison, the
     verl-style gather-all method's modelled from the same layout (:func:`gather_all_figures`); with
-    ``density``, also ours as a delta sync at that changed fraction (:func:`delta_figures`, key ``delta``)."""
+    ``density``, also ours as a delta sync at that changed fraction (:func:`delta_figures`, key ``delta``); every
+    stage of ours, full and delta, priced at ``rates`` (:func:`stage_figures`, key ``stages``; the delta also
+    with the other shadow placement: ``stages["other_shadow"]``)."""
     ours = sync_figures(schedule, intra_gbps, inter_gbps, latency_us)
     base = gather_all_figures(schedule, intra_gbps, inter_gbps, latency_us)
     extra = {} if density is None else {"delta": delta_figures(schedule, density, intra_gbps, inter_gbps, latency_us)}
+    rates = rates or stage_rates()
+    wire_delta = extra["delta"]["predicted_seconds"] if extra else 0.0
+    extra["stages"] = stage_figures(schedule, density, rates, shadow, verify, ours["predicted_seconds"], wire_delta)
+    if density is not None:
+        other = "device" if shadow == "host" else "host"
+        o = stage_figures(schedule, density, rates, other, verify, ours["predicted_seconds"], wire_delta)
+        extra["stages"]["other_shadow"] = {"shadow": other, "seconds": o["delta"]["seconds"],
+                                           "delta_over_full": o["delta_over_full"]}
     return {"describe": schedule.describe(), "ranks": schedule.world, "rollout_replicas": schedule.rollout_replicas,
             "ranks_per_node": schedule.ranks_per_node, "intra_node_gbps": intra_gbps, "inter_node_gbps": inter_gbps,
             "latency_us": latency_us, "bucket_bytes": schedule.bucket_bytes, "problems": schedule.check(),
             "ours": ours, "baseline": base,
             "bytes_ratio": max(ours["recv_bytes"]) / ours["recv_min_possible"],
             "predicted_speedup": base["predicted_seconds"] / ours["predicted_seconds"], **extra}
+
+
+# ------------------------------------------------------------------------------------ every stage, priced
+# Stage rates of the device class (GB/s of message bytes, one device), used for the stage table of `plan --sync`
+# until scripts/device_check.py --json has measured them on the device (`plan --sync --calibrate FILE`). Derived,
+# not measured: an accelerator of the users' class streams ~1 TB/s from device memory in practice (H100 SXM: 3.35
+# TB/s HBM3 peak, NVIDIA H100 datasheet; Ascend 910B: HBM2e, public figures 0.4-1.6 TB/s - the low end is why
+# these defaults are conservative), and each stage moves a known number of bytes per message byte:
+#   encode  ~2.3 B (read new and shadow, write a word mask, positions)  + a nonzero's device->host sync -> 200
+#   digest  ~3 B   (positional kernel: read, int64 products to a slab scratch, reduce)                  -> 300
+#   apply    2 B   (a dense message copied into parameter views)                                         -> 500
+#   patch   at 1% density ~0.5 B (int64 offsets per changed element, index_copy_) + launches           -> 100
+#   host_link: PCIe Gen4 x16, 32 GB/s per direction (PCI-SIG), ~25 GB/s pinned in practice            ->  25
+#   op_us:  fixed cost per message per stage (a few kernel launches and one device->host sync)         ->  30
+STAGE_GBPS = {"encode": 200.0, "patch": 100.0, "digest": 300.0, "apply": 500.0, "host_link": 25.0}
+OP_US = 30.0
+PATCH_DENSITY = 0.01  # the density the patch rate is quoted at (its cost is proportional to the changed elements)
+
+
+def stage_rates(calibration: dict | None = None, **overrides) -> dict:
+    """The stage rates to price with: the defaults above, replaced by a scripts/device_check.py ``--json`` record's
+    measurements (``calibration``), replaced by explicit overrides (None: keep). ``source`` says which."""
+    rates = dict(STAGE_GBPS, op_us=OP_US, source="defaults (derived, not measured: sync/cost.py STAGE_GBPS)")
+    if calibration:
+        st = calibration.get("stages") or {}
+        got = {"encode": st.get("encode"), "digest": st.get("digest"), "apply": st.get("apply"),
+               "patch": min([v for v in (st.get("patch"), st.get("patch_strided")) if v] or [None]) or None,
+               "host_link": st.get("h2d_pinned") or st.get("shadow_copy"), "op_us": st.get("op_us")}
+        for k, v in got.items():
+            if v:
+                rates[k] = float(v)
+        rates["source"] = (f"measured by scripts/device_check.py on {calibration.get('device', '?')} "
+                           f"({calibration.get('kind', '?')})")
+    for k, v in overrides.items():
+        if v is not None:
+            rates[k] = float(v)
+            rates["source"] += f"; {k} set"
+    return rates
+
+
+def stage_figures(schedule, density: float | None, rates: dict, shadow: str = "host", verify: bool = True,
+                  wire_full: float = 0.0, wire_delta: float = 0.0) -> dict:
+    """Every stage of one step of the full sync and (``density``) of the delta sync, per rank from the schedule's
+    messages, in seconds at ``rates`` (:func:`stage_rates`); the slowest rank's sum of stages plus the wire time
+    (``wire_*``: the link model's predicted seconds) is the step's time - stages and wire not overlapped
+    (conservative). Full: each receiver writes every message into its parameters (apply; self copies too); with
+    ``verify`` the sender and the receiver digest every message. Delta (network messages; self copies as full):
+    the sender moves a host shadow to the device (``shadow="host"``: the message's bytes over the host link, and
+    the changed elements back), compares and encodes, digests the new values (delta's proof; the verification's
+    digest when on); the receiver patches the changed elements (dense messages: apply) and digests its regions (the
+    proof). Every stage also costs ``op_us`` per message."""
+    e = schedule.elem
+    g = 1e9
+    op = rates["op_us"] * 1e-6
+    full = defaultdict(lambda: defaultdict(float))
+    delta = defaultdict(lambda: defaultdict(float))
+    for src, dst, n in _message_sizes(schedule):
+        nb = n * e
+        full[dst]["apply"] += nb / (rates["apply"] * g) + op
+        if verify:
+            full[src]["digest"] += nb / (rates["digest"] * g) + op
+            full[dst]["digest"] += nb / (rates["digest"] * g) + op
+        if density is None:
+            continue
+        if src == dst:  # a self copy: as in the full sync
+            for k in ("apply",) + (("digest",) if verify else ()):
+                delta[dst][k] += full_cost(nb, rates, k, op) * (2 if k == "digest" else 1)
+            continue
+        _, how = delta_message_bytes(n, e, density)
+        k_el = min(n, round(density * n))
+        if shadow == "host":
+            delta[src]["shadow_h2d"] += nb / (rates["host_link"] * g) + op
+            delta[src]["shadow_d2h"] += k_el * (e + 8) / (rates["host_link"] * g) + op
+        delta[src]["encode"] += nb / (rates["encode"] * g) + op
+        if verify or how != "dense":  # delta's proof (the verification's digests when on)
+            delta[src]["digest"] += nb / (rates["digest"] * g) + op
+            delta[dst]["digest"] += nb / (rates["digest"] * g) + op
+        if how == "dense":
+            delta[dst]["apply"] += nb / (rates["apply"] * g) + op
+        else:
+            delta[dst]["patch"] += nb * (density / PATCH_DENSITY) / (rates["patch"] * g) + op
+    out = {"rates": rates, "shadow": shadow, "verify": verify}
+    for name, per, wire in (("full", full, wire_full), ("delta", delta, wire_delta)):
+        if name == "delta" and density is None:
+            continue
+        worst = max(per, key=lambda r: sum(per[r].values()), default=None)
+        stages = dict(per[worst]) if worst is not None else {}
+        out[name] = {"stages": stages, "rank": worst, "compute_seconds": sum(stages.values()),
+                     "wire_seconds": wire, "seconds": wire + sum(stages.values())}
+    if density is not None:
+        out["delta_over_full"] = out["delta"]["seconds"] / out["full"]["seconds"] if out["full"]["seconds"] else None
+    return out
+
+
+def full_cost(nb, rates, stage, op) -> float:
+    return nb / (rates[stage] * 1e9) + op

@@ -51,7 +51,18 @@ def _tables(device, nblocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
                                                                          device=device)]
     if got[1].numel() < nblocks:
         got[1] = _block_weights(max(nblocks, 2 * got[1].numel()), device)
+    if got[2] is None:
+        got[2] = torch.empty((SLAB, BLOCK), dtype=torch.int64, device=device)
     return got[0], got[1], got[2]
+
+
+def release(cpu: bool = False) -> None:
+    """Drop the positional kernel's slab scratch (4 MiB per device) on every device but the CPU (``cpu``: there
+    too): the sync calls it at the end of every step, so device memory goes back to vLLM / the actor between
+    steps (the weight tables, 16 KiB plus 8 bytes per block of the largest message, stay)."""
+    for key, got in _CACHE.items():
+        if cpu or key != "cpu":
+            got[2] = None
 
 
 def _block_weights(n: int, device) -> torch.Tensor:

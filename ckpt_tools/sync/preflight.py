@@ -1,6 +1,10 @@
 """The sync's preflight: read the actor's local chunks from its own ``sharded_state_dict()`` (:func:`local_chunks`)
-and refuse a mismatched topology or model on every rank before any byte moves (:func:`_preflight`)."""
+and refuse a mismatched topology or model on every rank before any byte moves (:func:`_preflight`); it also
+agrees, on every rank, on the *device path* (:func:`forced_device_path`)."""
 from __future__ import annotations
+
+import os
+from typing import NamedTuple
 
 import torch
 
@@ -52,12 +56,59 @@ def _unwrap(m):
     return m
 
 
-def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=(), learns=None):
+DEVICE_PATH_ENV = "CKPT_TOOLS_SYNC_DEVICE_PATH"
+_ON, _OFF = ("on", "1", "true", "yes"), ("off", "0", "false", "no", "")
+
+
+def forced_device_path() -> bool:
+    """``CKPT_TOOLS_SYNC_DEVICE_PATH`` = ``off`` (default) | ``on``: run a job whose tensors are all on the CPU
+    through the sync's *device path*, as an NCCL / HCCL job runs: the positional digest kernel (not xxh3), the
+    reused flat buffers freed at the end of every step, shadows copied host <-> "device" (CPU to CPU). For CI (a
+    CPU machine exercising the code every device job runs) and for diagnosis; the preflight makes it the choice
+    of every rank when any rank sets it. The one device branch it cannot take is the data group's polling wait
+    (``comm._wait_data``): gloo's point-to-point works report completion only from ``wait()`` (tried: polled 5 s,
+    never complete), so a gloo data group keeps gloo's own wait."""
+    v = os.environ.get(DEVICE_PATH_ENV, "off").strip().lower()
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    raise SyncError(f"{DEVICE_PATH_ENV} must be on or off (got {v[:40]!r})")
+
+
+class Preflight(NamedTuple):
+    """What :func:`_preflight` found: this rank's actor chunks, its live vLLM parameters (when checked) and every
+    rank's summary (rank order)."""
+
+    chunks: dict
+    live: object
+    peers: list
+
+    @property
+    def anyone_learns(self) -> bool:
+        """Some rank learns its direct-apply map this step."""
+        return any(s.get("learns") for s in self.peers)
+
+    @property
+    def device_path(self) -> bool:
+        """The job runs the device path: some rank holds device tensors or forced it (every rank agrees: the same
+        summaries)."""
+        return not all(s.get("cpu") for s in self.peers)
+
+
+def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=(),
+               learns=None, extra=None) -> Preflight:
     """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
     chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
     fingerprints and problems (one monitored all-gather on the control group). Re-attaches expert
-    ``weight_loader``s a vLLM build dropped (see ckpt_tools.sync.live)."""
-    problem, chunks, live = "", {}, None
+    ``weight_loader``s a vLLM build dropped (see ckpt_tools.sync.live). Sets this process's digest: xxh3 when every
+    rank holds its tensors on the CPU and none forced the device path, else the positional kernel. ``extra``: small
+    fields added to this rank's summary (every rank gets every rank's: ``Preflight.peers``)."""
+    problem, chunks, live, forced = "", {}, None, False
+    try:
+        forced = forced_device_path()
+    except SyncError as e:  # refused on every rank, naming this one (every rank reaches the all-gather)
+        problem = str(e)
     rank = comm.rank
     if comm.world < schedule.world:
         problem = f"the group has {comm.world} ranks, the schedule needs {schedule.world}"
@@ -89,12 +140,14 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
                 if missing:
                     problem = (f"the vLLM model on rank {rank} has no parameter {missing[0]} (nor its "
                                f"{len(missing) - 1} other planned ones); vLLM version names differ")
-    cpu = all(t.device.type == "cpu" for t in chunks.values()) and \
+    cpu = not forced and all(t.device.type == "cpu" for t in chunks.values()) and \
         (not is_roll or vllm_model is None or _device_of(vllm_model).type == "cpu")
     mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500],
-            "opts": list(opts), "cpu": cpu, "learns": bool(learns(live)) if learns is not None else False}
+            "opts": list(opts), "cpu": cpu, "learns": bool(learns(live)) if learns is not None else False,
+            **(extra or {})}
     alls = _exchange_summaries(mine, comm, timeout_s)
-    # every rank on the CPU (gloo): the host digest (ckpt_tools.sync.digest), the same choice on every rank
+    # every rank on the CPU (gloo), none forcing the device path: the host digest (ckpt_tools.sync.digest), the same
+    # choice on every rank
     digest_mod.use_host(all(s.get("cpu") for s in alls))
     for r, s in enumerate(alls):
         if s.get("opts") != mine["opts"]:
@@ -110,4 +163,4 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
             raise SyncError(f"weight sync refused before any transfer: rank {r} planned '{s.get('desc')}' "
                             f"(fingerprint {s.get('fp')}) but rank {rank} planned '{mine['desc']}' "
                             f"(fingerprint {mine['fp']}); vLLM weights not modified")
-    return chunks, live, any(a.get("learns") for a in alls)
+    return Preflight(chunks, live, alls)

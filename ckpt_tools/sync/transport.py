@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections import defaultdict
 
 import torch
@@ -18,6 +19,8 @@ from ..core import numbers
 from ..layout import box_numel, box_shape, box_slices
 from . import apply as sync_apply
 from . import delta as sync_delta
+from . import delta_proof
+from . import digest as digest_mod
 from .comm import (
     ABANDONED,
     SyncError,
@@ -33,9 +36,14 @@ from .comm import checked_digest as digest
 from .delta import DENSE
 from .preflight import _preflight, local_chunks  # noqa: F401 - local_chunks: ckpt_tools.sync's public name
 from .schedule import SyncSchedule
-from .verify import _all_to_all, _verify, _views
+from .verify import _verify, _views
 
 logger = logging.getLogger("ckpt_tools.sync")
+
+
+def _set_hash(names) -> int:
+    """A short fingerprint of a set of HF tensor names (a rank's fallback set, compared in the preflight)."""
+    return zlib.crc32(json.dumps(sorted(names)).encode())
 
 
 class SyncState:
@@ -50,7 +58,7 @@ class SyncState:
         self.patch_plans: dict = {}  # (bucket, sender) -> sync_delta.PatchPlan of those sinks (made on first use)
         self.fallback_all = None     # every rank's fallback HF tensors, as last exchanged (verify + direct)
         self.shadow: dict = {}       # (bucket, receiver) -> what was last sent (host or device)
-        self.shadow_digest: dict = {}
+        self.fallback_msgs: dict = {}  # (bucket, sender, receiver) -> holds a piece of the receiver's fallback
         self.steps = 0
 
 
@@ -84,8 +92,11 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     loader is not a plain copy (``fallback_params``), which still go through ``load_weights``. With ``delta``
     (and ``direct``) a sender keeps a shadow of each message it sent (``shadow`` = ``"host"``: CPU memory, moved
     to the device per bucket; ``"device"``: the send device's memory) and sends only the elements that changed
-    (:mod:`ckpt_tools.sync.delta`), after the receiver proved its base equal to that shadow (digests at the step's
-    start); a message whose base differs goes full in the same step. (3) with ``verify``: every sender digests
+    (:mod:`ckpt_tools.sync.delta`; nothing but a header when none did); after the last bucket every message
+    patched as a delta is proven, with or without ``verify``: the digest of the receiver's regions equals the
+    digest of the sender's full new values, else the message goes again in full in the same step
+    (:mod:`ckpt_tools.sync.delta_proof`: delta trusts neither the receiver's base nor the shadow). (3) with
+    ``verify``: every sender digests
     each message's full new values, the receivers digest the parameter regions those pieces were meant to fill,
     after the last bucket (:mod:`ckpt_tools.sync.verify`): a delta step is proven equal to a full one; a
     difference is a SyncError naming rank, vLLM parameter, region, HF tensor and region, on every rank.
@@ -93,34 +104,43 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
     Returns this rank's counters: ``recv_bytes`` (its shard, self copies included), ``recv_net_bytes``,
     ``sent_bytes`` (payload + headers on the wire), ``sent_full_bytes`` (what a full sync sends), ``local_bytes``,
     ``messages_sent``, ``messages_received``, ``messages_delta``, ``messages_full``, ``messages_rebased`` (a
-    delta was possible but the receiver's base differed: sent full), ``changed_elements`` / ``delta_elements``
+    delta that did not prove after the patch - the receiver's base or the sender's shadow had changed behind the
+    sync - sent again in full), ``delta_proven`` (delta messages proven after the patch), ``changed_elements`` / ``delta_elements``
     (elements that changed / were compared), ``buckets``, ``tensors_delivered``, ``verified_pieces``,
     ``unproven_pieces`` (fallback parameters' pieces: transfer proven, installation done by vLLM's loader),
     ``direct`` (this step replayed the map), ``map_learned``, ``fallback_params``, ``encode_seconds``,
     ``transfer_seconds``, ``apply_seconds``, ``verify_seconds``, ``seconds``, ``scratch_bytes`` (reused flat buffers,
-    one message at most per device; freed on devices at the step's end), ``job``: the sums over all ranks."""
+    one message at most per device; freed on devices at the step's end), ``device_path`` (the job ran the device
+    path: some rank holds device tensors or set ``CKPT_TOOLS_SYNC_DEVICE_PATH=on``, see
+    :func:`~ckpt_tools.sync.preflight.forced_device_path`), ``digest`` (``positional`` or ``xxh3``), ``job``: the
+    sums over all ranks."""
     timeout_s = numbers.check(timeout_s, numbers.TIMEOUT, "timeout_s", SyncError)
     if shadow not in ("host", "device"):
         raise SyncError(f"shadow must be 'host' or 'device' (got {shadow!r})")
+    step = None
     with torch.no_grad():
         try:
-            return _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
-                         direct, delta and direct, shadow).run()
+            step = _Step(schedule, megatron_model, vllm_model, group, timeout_s, control_group, verify, fill_value,
+                         direct, delta and direct, shadow)
+            return step.run()
         except SyncError:
             raise
         except Exception as e:  # noqa: BLE001 - a digest, an allocation, a device error: one line like every other
             raise SyncError(f"weight sync failed on rank {_rank_of()}: {type(e).__name__}: {_one_line(e)}; "
                             f"vLLM weights may be partially updated") from None
-        finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults)
+        finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults;
+            # on the forced device path the CPU is the device: freed too)
             scratch = getattr(schedule, "__dict__", {}).get("_scratch", {})
-            for dev in [d for d in scratch if d != "cpu"]:
-                del scratch[dev]
+            every = getattr(step, "device_path", False)
+            for key in [k for k, t in scratch.items() if t.device.type != "cpu" or every]:
+                del scratch[key]
+            digest_mod.release(every)
 
 
 _COUNTERS = ("recv_bytes", "recv_net_bytes", "sent_bytes", "sent_full_bytes", "local_bytes", "messages_sent",
              "messages_received", "messages_delta", "messages_full", "messages_rebased", "changed_elements",
              "delta_elements", "buckets", "tensors_delivered", "verified_pieces", "loader_proven_pieces",
-             "unproven_pieces")
+             "unproven_pieces", "delta_proven")
 _TIMES = ("encode_seconds", "transfer_seconds", "apply_seconds", "verify_seconds")
 
 
@@ -166,41 +186,56 @@ class _Step:
         t0 = time.perf_counter()
         need = {(p.key, p.chunk_box) for p in s.pieces if p.src == rank}
         self.local = (s.rollout_ranks.index(rank) % s.vpar.world) if rank in s.rollout_ranks else None
-        self.chunks, self.live, anyone_learns = _preflight(
-            s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
-            [bool(self.verify), bool(self.direct), bool(self.delta)], self._learns)
+        pf = _preflight(s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
+                        [bool(self.verify), bool(self.direct), bool(self.delta)], self._learns,
+                        {"fbh": _set_hash(self.st.fallback_hf)})
+        self.chunks, self.live, anyone_learns, self.device_path = pf.chunks, pf.live, pf.anyone_learns, pf.device_path
+        self.peers = pf.peers
         self.rdev = _device_of(self.vm)
         total = len(s.needs_local[self.local]) if self.local is not None else 0
         self.cnt = dict.fromkeys(_COUNTERS, 0)
         self.cnt.update(dict.fromkeys(_TIMES, 0.0), tensors_total=total, direct=False, map_learned=False, no_direct="",
-                        fallback_params=[])
+                        fallback_params=[], device_path=self.device_path,
+                        digest="positional" if self.device_path else "xxh3")
         self.sent_digests = defaultdict(list)  # receiver -> [(bucket, digest)] of the messages sent to it
         self.scratch = s.__dict__.setdefault("_scratch", {})  # reused flat buffers (see comm._flat)
         self.proven, self.loader_problem = set(), ""  # (fallback parameter, bucket) proven by reload; the first miss
         self._plan_receiving()
-        flags = self._exchange_bases() if self.delta else {}
+        stale = self.st.fallback_all is None or any(
+            a.get("fbh") != _set_hash(self.st.fallback_all.get(r, ())) for r, a in enumerate(self.peers))
+        self.delta_sent, self.delta_got = defaultdict(list), defaultdict(list)  # the delta messages (delta_proof)
         for b, pieces in enumerate(s.pieces_by_bucket):
-            self._bucket(b, pieces, flags)
+            self._bucket(b, pieces, stale)
         if self.recorder is not None:
             self._learned()
-        fallback = {}
-        if self.verify and self.direct:  # every rank's fallback sets change only when some rank learns its map
-            if anyone_learns or self.st.fallback_all is None:
-                self.st.fallback_all = self._exchange_fallback()
-            fallback = self.st.fallback_all
+        fallback, proof = {}, {"proven": set(), "problem": ""}
+        if self.direct and (self.verify or self.delta):  # every rank's fallback sets: they change only when a rank
+            if anyone_learns or stale:                      # learns its map
+                self.st.fallback_all, self.st.fallback_msgs = self._exchange_fallback(), {}
+            fallback = self.st.fallback_all if self.verify else {}
+        if self.delta:
+            te = time.perf_counter()
+            proof = delta_proof.prove(s, self.comm, self.st.sinks, self.delta_sent, self.delta_got, self.src_view,
+                                      self.timeout_s, self.scratch, self.rdev,
+                                      (self.st.shadow, self.shadow_host, self.device_path))
+            self.cnt["messages_rebased"] += proof["resent"]
+            self.cnt["sent_bytes"] += proof["resent_bytes"]
+            self.cnt["delta_proven"] = len(proof["proven"])
+            self._timed("encode_seconds", te)
         if self.verify:
             tv = time.perf_counter()
             self._redigest_fallback(fallback)
             self._count_fallback_proofs(fallback.get(rank, ()))
             self.cnt["verified_pieces"] = _verify(s, self.comm, self.live, self.sent_digests, self.src_view,
-                                                  self.timeout_s, self.scratch, fallback, self.loader_problem)
+                                                  self.timeout_s, self.scratch, fallback, self.loader_problem,
+                                                  proof["proven"])
             self._timed("verify_seconds", tv)
         self.st.steps += 1
         self.cnt["fallback_params"] = sorted(self.st.fallback)
         self.cnt["fallback_reasons"] = dict(sorted(self.st.fallback.items()))
         self.cnt["scratch_bytes"] = sum(t.numel() * t.element_size() for t in self.scratch.values())
         self.cnt["seconds"] = time.perf_counter() - t0
-        self.cnt["job"] = self._report()
+        self.cnt["job"] = self._report("" if self.verify else proof["problem"])
         return self.cnt
 
     def _learns(self, live) -> bool:
@@ -256,35 +291,21 @@ class _Step:
             logger.warning("ckpt_tools sync: rank %d: %d vLLM parameter(s) keep going through load_weights (not a "
                            "plain copy; first: %s: %s)", self.rank, len(st.fallback), name, why)
 
-    def _exchange_bases(self) -> dict:
-        """Delta: every receiver proves, per message it gets over the network, whether its live regions can be
-        the base of a delta (the map is replayed, no fallback piece) and their digest; the senders get both.
-        Returns (bucket, receiver) -> (ok, digest) on senders."""
-        s, rank, world, st = self.s, self.rank, self.comm.world, self.st
-        te = time.perf_counter()
-        parts = [[] for _ in range(world)]
-        for b, src, ps in s.messages_to(rank):
-            if src == rank:
-                continue
-            ok = self.replay and (b, src) in self._delta_ok()
-            if ok:
-                views = [k.views[0] for k in st.sinks[(b, src)]]
-                d = checked_digest_run(views, s.bucket_dtype[b], self.scratch).cpu()
-            else:
-                d = torch.zeros((), dtype=torch.int64)
-            parts[src] += [torch.tensor(int(ok)), d]
-        mine = {d: [b for b, src, _ in s.messages_to(d) if src == rank] for d in range(world) if d != rank}
-        recv_split = [2 * len(mine.get(d, ())) for d in range(world)]
-        got = _all_to_all(self.comm, parts, recv_split, self.timeout_s, "delta bases")().tolist()
-        out, o = {}, 0
-        for d in range(world):
-            for b in mine.get(d, ()):
-                out[(b, d)] = (bool(got[o]), got[o + 1])
-                o += 2
-        self._timed("encode_seconds", te)
-        return out
+    def _delta_ok(self, b, src, dst, stale) -> bool:
+        """Whether message (bucket, sender, receiver) goes as a delta: the receiver replays its map this step (it
+        does not learn it) and the message holds no piece of the receiver's fallback HF tensors. Every rank decides
+        it alike, from the preflight's summaries (who learns; a hash of each rank's fallback set) and the fallback
+        sets last exchanged (``stale``: some rank's set is not the one exchanged - then no delta this step)."""
+        if stale or src == dst or self.peers[dst].get("learns"):
+            return False
+        key = (b, src, dst)
+        got = self.st.fallback_msgs.get(key)
+        if got is None:
+            fb = self.st.fallback_all.get(dst, ())
+            got = self.st.fallback_msgs[key] = any(p.hf in fb for p in self.s.message_pieces(b, src, dst))
+        return not got
 
-    def _bucket(self, b, pieces, flags):
+    def _bucket(self, b, pieces, stale):
         s, rank, comm, cnt, st = self.s, self.rank, self.comm, self.cnt, self.st
         dtype = s.bucket_dtype[b]
         elem = dtype.itemsize
@@ -301,41 +322,38 @@ class _Step:
         cnt["buckets"] += 1
         # -- sender: the new values of each message, and (delta) what goes on the wire
         te = time.perf_counter()
-        news, payloads, headers = {}, {}, {}
+        news, payloads, headers, modes = {}, {}, {}, {}
         for dst, ps in sends.items():
             new = news[dst] = torch.cat([self.src_view(p).reshape(-1).to(dtype) for p in ps])
-            n, e = new.numel(), new.element_size()
-            cnt["sent_full_bytes"] += n * e
+            n = new.numel()
+            cnt["sent_full_bytes"] += n * new.element_size()
             payloads[dst] = new
-            if (b, dst) not in flags:
+            if not self.delta:
                 continue
-            ok, base = flags[(b, dst)]
-            if not ok:  # the receiver has no proven base (learning its map, a fallback piece): full, no header
+            if not self._delta_ok(b, rank, dst, stale):  # the receiver learns its map / a fallback piece: full
                 cnt["messages_full"] += 1
                 continue
-            mode, k = DENSE, n
-            old = st.shadow.get((b, dst))
-            if old is not None and st.shadow_digest.get((b, dst)) == base:
-                idx = sync_delta.changed(new, old.to(new.device, non_blocking=True))
-                k = idx.numel()
-                mode = sync_delta.choose(n, k, e)
-                if mode != DENSE:
-                    payloads[dst] = sync_delta.encode(new, idx, mode)
+            # (a host shadow moves to the send device; on the device path a copy even when that is the CPU)
+            mode, k, payload, idx, vals = modes[dst] = sync_delta.sender_encode(
+                new, st.shadow.get((b, dst)), self.device_path, self.scratch)
+            if k >= 0:
                 cnt["changed_elements"] += k
                 cnt["delta_elements"] += n
-                cnt["messages_delta" if mode != DENSE else "messages_full"] += 1
+            cnt["messages_delta" if mode != DENSE else "messages_full"] += 1
+            if mode != DENSE and k == 0:
+                del payloads[dst]  # nothing changed: the header alone
             else:
-                cnt["messages_rebased" if old is not None else "messages_full"] += 1
-            headers[dst] = torch.tensor([mode, k], dtype=torch.int64, device=new.device)
+                payloads[dst] = payload
+            headers[dst] = torch.tensor([mode, max(k, 0)], dtype=torch.int64, device=new.device)
         self._timed("encode_seconds", te)
-        # -- receiver: headers of the messages it proved a base for
+        # -- receiver: the headers of the messages that may go as deltas (every rank knows which: _delta_ok)
         hrecv = {}
         if self.delta:
             hops = []
             for dst, h in headers.items():
                 hops.append(dist.P2POp(dist.isend, h, comm.peer(dst), comm.data, tag=b))
             for src in recvs:
-                if self.replay and (b, src) in self._delta_ok():
+                if self.replay and self._delta_ok(b, src, rank, stale):
                     hrecv[src] = torch.empty(2, dtype=torch.int64, device=self.rdev)
                     hops.append(dist.P2POp(dist.irecv, hrecv[src], comm.peer(src), comm.data, tag=b))
             self._wait_all(b, hops, sends, recvs)
@@ -344,11 +362,14 @@ class _Step:
         ops, rbufs = [], {}
         for dst, buf in payloads.items():
             ops.append(dist.P2POp(dist.isend, buf, comm.peer(dst), comm.data, tag=b))
-            cnt["sent_bytes"] += buf.numel() * buf.element_size() + (sync_delta.HEADER_BYTES if dst in headers else 0)
+            cnt["sent_bytes"] += buf.numel() * buf.element_size()
             cnt["messages_sent"] += 1
+        cnt["sent_bytes"] += sync_delta.HEADER_BYTES * len(headers)
         for src, ps in recvs.items():
             n = sum(box_numel(p.hf_box) for p in ps)
             mode, k = hrecv.get(src, (DENSE, n))
+            if mode != DENSE and k == 0:
+                continue  # nothing changed: no payload
             if mode != DENSE:
                 rbufs[src] = torch.empty(sync_delta.payload_bytes(mode, n, k, elem), dtype=torch.uint8,
                                          device=self.rdev)
@@ -369,12 +390,15 @@ class _Step:
             self._timed("apply_seconds", ta)
             tv = time.perf_counter()
             for dst, new in news.items():
-                d = digest(new) if (self.verify or self.delta) else None
+                mode, _, _, idx, vals = modes.get(dst, (DENSE, -1, None, None, None))
+                d = digest(new) if (self.verify or mode != DENSE) else None
                 if self.verify:
                     self.sent_digests[dst].append((b, d))
+                if mode != DENSE:  # proven after the patch (ckpt_tools.sync.delta_proof)
+                    self.delta_sent[dst].append((b, d))
                 if self.delta:
-                    st.shadow[(b, dst)] = new.to("cpu", non_blocking=False) if self.shadow_host else new
-                    st.shadow_digest[(b, dst)] = int(d)
+                    sync_delta.keep_shadow(st.shadow, (b, dst), new, mode, idx, vals, self.shadow_host,
+                                           self.device_path)
             if self.verify and selfs:
                 mine = checked_digest_run([self.src_view(p) for p in selfs], dtype, self.scratch)
                 self.sent_digests[rank].append((b, mine))
@@ -389,9 +413,15 @@ class _Step:
             raise self.fail(b, f"{type(e).__name__}: {_one_line(e)}") from None
         ta = time.perf_counter()
         for src, ps in recvs.items():
-            buf = rbufs[src]
             n = sum(box_numel(p.hf_box) for p in ps)
             mode, k = hrecv.get(src, (DENSE, n))
+            if mode != DENSE:
+                self.delta_got[src].append(b)
+            if mode != DENSE and k == 0:  # nothing changed: no payload, the regions already hold the values
+                cnt["messages_received"] += 1
+                cnt["recv_net_bytes"] += n * elem
+                continue
+            buf = rbufs[src]
             if not self.replay:
                 off = 0
                 for p in ps:
@@ -416,14 +446,6 @@ class _Step:
             cnt["tensors_delivered"] += len(mine)
             cnt["recv_bytes"] += sum(box_numel(p.hf_box) for p in pieces if p.dst == rank) * elem
         self._timed("apply_seconds", ta)
-
-    def _delta_ok(self) -> set:
-        """(bucket, sender) of the messages this receiver offered as a delta base (see _exchange_bases)."""
-        got = self.__dict__.get("_ok")
-        if got is None:
-            got = self._ok = {k for k, sinks in self.st.sinks.items() if all(x.hf is None for x in sinks)
-                              and k[1] != self.rank}
-        return got
 
     def _wait_all(self, b, works, sends, recvs):
         if works and not hasattr(works[0], "wait"):  # P2POp list (headers): post them first
@@ -563,13 +585,19 @@ class _Step:
                 new.append((b, d))
             self.sent_digests[dst] = new
 
-    def _report(self) -> dict:
-        """The job's sums of this step's counters (one small all-gather on the control group); rank 0 logs them."""
+    def _report(self, problem: str = "") -> dict:
+        """The job's sums of this step's counters (one small all-gather on the control group); rank 0 logs them.
+        ``problem``: a delta message of this rank that did not prove (without verification: raised here on every
+        rank)."""
         keys = ("sent_bytes", "sent_full_bytes", "changed_elements", "delta_elements", "messages_delta",
-                "messages_full", "messages_rebased", "unproven_pieces")
+                "messages_full", "messages_rebased", "unproven_pieces", "delta_proven")
         mine = {k: self.cnt[k] for k in keys}
-        mine.update({k: round(self.cnt[k], 4) for k in _TIMES + ("seconds",)}, fb=len(self.st.fallback))
+        mine.update({k: round(self.cnt[k], 4) for k in _TIMES + ("seconds",)}, fb=len(self.st.fallback),
+                    problem=problem[:400])
         alls = _exchange_summaries(mine, self.comm, self.timeout_s)
+        for a in alls:
+            if a.get("problem"):
+                raise SyncError(f"weight sync failed: {a['problem']}; vLLM weights updated but wrong")
         job = {k: sum(a.get(k, 0) for a in alls) for k in keys}
         job.update({k: max(a.get(k, 0) for a in alls) for k in _TIMES + ("seconds",)})
         job["fallback_params"] = sum(a.get("fb", 0) for a in alls)

@@ -44,14 +44,17 @@ def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str
     return result
 
 
-def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None, problem="") -> int:
+def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None, problem="",
+            already=frozenset()) -> int:
     """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent.
     Round 1: the senders' message digests come over the control group (one all-to-all, 8 bytes per message) and
     this rank digests, per message, the parameter regions its pieces were meant to fill, concatenated in the
     message's order. Round 2, only if some message differs anywhere: its pieces are digested one by one on both
     sides (the sender from its live chunks) to name the first wrong one. All ranks then share the first problem
     (one all-gather), so every rank raises the same one-line SyncError. ``problem``: this rank's own finding
-    already (a fallback parameter not proven by reload), shared the same way. Returns the pieces proven here."""
+    already (a fallback parameter not proven by reload), shared the same way. Returns the pieces proven here.
+    ``already``: (bucket, sender) of the messages this rank already proved against the same sender digests this
+    step (a delta's proof, ckpt_tools.sync.delta_proof): not digested again."""
     rank, world = comm.rank, comm.world
     own = problem
     counts = schedule.pair_message_counts()
@@ -79,11 +82,14 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
         for b, src, ps in msgs:
             wants.append(offs[src])  # where its sender's digest sits in what the all-to-all brings
             offs[src] += 1
-            mine.append(checked_digest_run(views.runs[(b, src)], schedule.bucket_dtype[b], scratch))
-        mine = torch.stack(mine).cpu().tolist() if mine else []  # one device -> host copy
+            mine.append(None if (b, src) in already else checked_digest_run(views.runs[(b, src)],
+                                                                            schedule.bucket_dtype[b], scratch))
+        done = [d for d in mine if d is not None]
+        done = iter(torch.stack(done).cpu().tolist() if done else [])  # one device -> host copy
+        mine = [None if d is None else next(done) for d in mine]
         got = pending().tolist()
         for (b, src, ps), d, i in zip(msgs, mine, wants):
-            if d != got[i]:
+            if d is not None and d != got[i]:
                 bad.append([b, src])
             else:
                 proven += sum(p.hf not in skip for p in ps)
