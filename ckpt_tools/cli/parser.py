@@ -245,10 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                         ("patch", "changed elements written through the map, at 1%% density"),
                         ("digest", "the positional digest"), ("apply", "a dense message written into parameters"),
                         ("host-link", "a host shadow's copies to and from the device")):
-        g.add_argument(f"--{stage}-gbps", type=POSITIVE, default=None,
+        g.add_argument(f"--{stage}-gbps", type=GBPS, default=None,
                        help=f"{stage} rate in GB/s of message bytes per device ({what}); overrides --calibrate and "
                             f"the default")
-    g.add_argument("--op-us", type=NONNEGATIVE, default=None,
+    g.add_argument("--op-us", type=LATENCY_US, default=None,
                    help="fixed cost per message of each stage, in us (kernel launches, a device->host sync; default "
                         "30 or --calibrate)")
     p.add_argument("--json", default=None, help="write the plan as JSON ('-' = stdout)")
