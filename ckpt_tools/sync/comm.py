@@ -6,6 +6,7 @@ small all-gathered summaries on the control group, and waits that time out (gloo
 from __future__ import annotations
 
 import json
+import logging
 import time
 from datetime import timedelta
 from typing import NamedTuple
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .digest import digest, digest_host, host
+
+logger = logging.getLogger("ckpt_tools.sync")
 
 
 class SyncError(RuntimeError):
@@ -185,3 +188,49 @@ def _comm(group, control_group) -> _Comm:
                             f"{[peer(r) for r in range(min(world, 8))]}; vLLM weights not modified")
     return _Comm(group, control_group, rank, world, peer, gloo)
 
+
+def exchange_sets(mine: list, comm, timeout_s: float) -> dict:
+    """Every rank's set of names (rank -> set; the receivers' fallback HF tensors, for the verification and delta:
+    their pieces go through vLLM's loader). One 1 KiB summary each; only a set too long for it goes through
+    all_gather_object."""
+    short = len(json.dumps(mine)) < 900
+    alls = _exchange_summaries({"fb": mine if short else None}, comm, timeout_s)
+    if any(a.get("fb") is None for a in alls):
+        out = [None] * comm.world
+        try:
+            dist.all_gather_object(out, mine, group=comm.control)
+        except Exception as e:  # noqa: BLE001
+            raise SyncError(f"weight sync verification failed on rank {comm.rank}: exchanging the fallback sets "
+                            f"failed ({_one_line(e)}); vLLM weights updated but not proven") from None
+    else:
+        out = [a["fb"] for a in alls]
+    return {r: set(v) for r, v in enumerate(out) if v}
+
+
+def job_report(cnt: dict, fallback: int, step: int, comm, timeout_s: float, problem: str = "", times=()) -> dict:
+    """The job's sums of a step's counters ``cnt`` (one small all-gather on the control group); rank 0 logs them.
+    ``problem``: a delta message of this rank that did not prove (without verification: raised here on every
+    rank); ``fallback``: this rank's fallback parameters; ``times``: the counters that are seconds (the job's: max)."""
+    keys = ("sent_bytes", "sent_full_bytes", "changed_elements", "delta_elements", "messages_delta",
+            "messages_full", "messages_rebased", "unproven_pieces", "delta_proven")
+    times = tuple(times) + ("seconds",)
+    mine = {k: cnt[k] for k in keys}
+    mine.update({k: round(cnt[k], 4) for k in times}, fb=fallback, problem=problem[:400])
+    alls = _exchange_summaries(mine, comm, timeout_s)
+    for a in alls:
+        if a.get("problem"):
+            raise SyncError(f"weight sync failed: {a['problem']}; vLLM weights updated but wrong")
+    job = {k: sum(a.get(k, 0) for a in alls) for k in keys}
+    job.update({k: max(a.get(k, 0) for a in alls) for k in times})
+    job["fallback_params"] = sum(a.get("fb", 0) for a in alls)
+    job["density"] = job["changed_elements"] / job["delta_elements"] if job["delta_elements"] else None
+    if comm.rank == 0:
+        dens = f"{job['density']:.4%}" if job["density"] is not None else "-"
+        logger.info("ckpt_tools sync step %d: sent %d of %d bytes (%.3gx fewer), density %s, messages %d delta / "
+                    "%d full (%d base differed), %s, fallback params %d; seconds encode %.3f transfer %.3f "
+                    "apply %.3f verify %.3f total %.3f", step, job["sent_bytes"], job["sent_full_bytes"],
+                    job["sent_full_bytes"] / max(1, job["sent_bytes"]), dens, job["messages_delta"],
+                    job["messages_full"], job["messages_rebased"], "direct" if cnt["direct"] else "via load_weights",
+                    job["fallback_params"], job["encode_seconds"], job["transfer_seconds"], job["apply_seconds"],
+                    job["verify_seconds"], job["seconds"])
+    return job

@@ -26,11 +26,12 @@ from .comm import (
     SyncError,
     _comm,
     _device_of,
-    _exchange_summaries,
     _one_line,
     _rank_of,
     _wait_data,
     checked_digest_run,
+    exchange_sets,
+    job_report,
 )
 from .comm import checked_digest as digest
 from .delta import DENSE
@@ -211,7 +212,8 @@ class _Step:
         fallback, proof = {}, {"proven": set(), "problem": ""}
         if self.direct and (self.verify or self.delta):  # every rank's fallback sets: they change only when a rank
             if anyone_learns or stale:                      # learns its map
-                self.st.fallback_all, self.st.fallback_msgs = self._exchange_fallback(), {}
+                mine = sorted(self.st.fallback_hf) if self.local is not None else []
+                self.st.fallback_all, self.st.fallback_msgs = exchange_sets(mine, self.comm, self.timeout_s), {}
             fallback = self.st.fallback_all if self.verify else {}
         if self.delta:
             te = time.perf_counter()
@@ -235,7 +237,8 @@ class _Step:
         self.cnt["fallback_reasons"] = dict(sorted(self.st.fallback.items()))
         self.cnt["scratch_bytes"] = sum(t.numel() * t.element_size() for t in self.scratch.values())
         self.cnt["seconds"] = time.perf_counter() - t0
-        self.cnt["job"] = self._report("" if self.verify else proof["problem"])
+        self.cnt["job"] = job_report(self.cnt, len(self.st.fallback), self.st.steps, self.comm, self.timeout_s,
+                                     "" if self.verify else proof["problem"], _TIMES)
         return self.cnt
 
     def _learns(self, live) -> bool:
@@ -552,24 +555,6 @@ class _Step:
                                    f"cannot be proven (neither plain copies where the layout places them nor "
                                    f"reproduced by vLLM's own loader)")
 
-    def _exchange_fallback(self) -> dict:
-        """Every rank's fallback HF tensors (receiver rank -> set), for the verification: their pieces are proven
-        on the wire, not in the parameters (vLLM's loader transforms them). One 1 KiB summary each; only a set too
-        long for it goes through all_gather_object."""
-        mine = sorted(self.st.fallback_hf) if self.local is not None else []
-        short = len(json.dumps(mine)) < 900
-        alls = _exchange_summaries({"fb": mine if short else None}, self.comm, self.timeout_s)
-        if any(a.get("fb") is None for a in alls):
-            out = [None] * self.comm.world
-            try:
-                dist.all_gather_object(out, mine, group=self.comm.control)
-            except Exception as e:  # noqa: BLE001
-                raise SyncError(f"weight sync verification failed on rank {self.rank}: exchanging the fallback sets "
-                                f"failed ({_one_line(e)}); vLLM weights updated but not proven") from None
-        else:
-            out = [a["fb"] for a in alls]
-        return {r: set(v) for r, v in enumerate(out) if v}
-
     def _redigest_fallback(self, fallback):
         """The senders' digests of messages holding fallback pieces cover the other pieces only (as the receiver's)."""
         for dst, hfs in fallback.items():
@@ -584,32 +569,3 @@ class _Step:
                                            self.scratch)
                 new.append((b, d))
             self.sent_digests[dst] = new
-
-    def _report(self, problem: str = "") -> dict:
-        """The job's sums of this step's counters (one small all-gather on the control group); rank 0 logs them.
-        ``problem``: a delta message of this rank that did not prove (without verification: raised here on every
-        rank)."""
-        keys = ("sent_bytes", "sent_full_bytes", "changed_elements", "delta_elements", "messages_delta",
-                "messages_full", "messages_rebased", "unproven_pieces", "delta_proven")
-        mine = {k: self.cnt[k] for k in keys}
-        mine.update({k: round(self.cnt[k], 4) for k in _TIMES + ("seconds",)}, fb=len(self.st.fallback),
-                    problem=problem[:400])
-        alls = _exchange_summaries(mine, self.comm, self.timeout_s)
-        for a in alls:
-            if a.get("problem"):
-                raise SyncError(f"weight sync failed: {a['problem']}; vLLM weights updated but wrong")
-        job = {k: sum(a.get(k, 0) for a in alls) for k in keys}
-        job.update({k: max(a.get(k, 0) for a in alls) for k in _TIMES + ("seconds",)})
-        job["fallback_params"] = sum(a.get("fb", 0) for a in alls)
-        job["density"] = job["changed_elements"] / job["delta_elements"] if job["delta_elements"] else None
-        if self.rank == 0:
-            dens = f"{job['density']:.4%}" if job["density"] is not None else "-"
-            logger.info("ckpt_tools sync step %d: sent %d of %d bytes (%.3gx fewer), density %s, messages %d delta / "
-                        "%d full (%d base differed), %s, fallback params %d; seconds encode %.3f transfer %.3f "
-                        "apply %.3f verify %.3f total %.3f", self.st.steps, job["sent_bytes"],
-                        job["sent_full_bytes"], job["sent_full_bytes"] / max(1, job["sent_bytes"]), dens,
-                        job["messages_delta"], job["messages_full"], job["messages_rebased"],
-                        "direct" if self.cnt["direct"] else "via load_weights", job["fallback_params"],
-                        job["encode_seconds"], job["transfer_seconds"], job["apply_seconds"], job["verify_seconds"],
-                        job["seconds"])
-        return job
