@@ -15,6 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tools import convert
+from ckpt_tools.layout.model_config import load_config
+from ckpt_tools.layout.models import VllmLayout
+from ckpt_tools.layout.topology import VllmParallel
 from converters import vllm_names
 from vllm_helper import ROOT, make_ckpts, run_vllm_jobs
 
@@ -231,9 +234,10 @@ def test_users_version_names(ckpts, tmp_path):
     for r in range(2):
         a = _file_tensors(os.path.join(out, f"model-rank-{r}-part-0.safetensors"))
         b = _file_tensors(os.path.join(ckpts["hf_tp2"], f"model-rank-{r}-part-0.safetensors"))
-        ren = {v: k for k, v in vllm_names.VERSIONS["0.32.0"]["rename"].items()}
-        b = {".".join(k.split(".")[:3]) + "." + ren.get(k.split(".", 3)[3], k.split(".", 3)[3])
-             if k.startswith("model.layers.") else k: v for k, v in b.items() if "attn._" not in k}
+        # 0.32 name -> 0.10.1 name from the family table itself (shared renames and each row's own ``vllm_at``)
+        ren = VllmLayout(load_config(ckpts["hf"]), VllmParallel(tp=2), vllm_names.VERSIONS["0.32.0"]).renamed(
+            vllm_names.VERSIONS["0.10.1"])
+        b = {ren.get(k, k): v for k, v in b.items() if "attn._" not in k}
         assert "model.layers.0.mlp.experts.w13_weight" in a and "model.layers.0.mlp.gate.weight" in a
         assert sorted(a) == sorted(b)
         assert all(torch.equal(a[k], b[k]) for k in a)

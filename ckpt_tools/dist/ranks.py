@@ -35,6 +35,7 @@ import time
 from ..core import numbers
 from ..core.errors import InputError, PeerFailed
 from ..core.host import boot_id as _boot_id
+from .store import SmallRequests
 
 # torch.distributed is imported inside the three functions that use it (a documented start-up cost): the command
 # line imports this module before torch (cli.main._quiet_c10d sets TORCH_CPP_LOG_LEVEL for torch's import only, and
@@ -81,7 +82,8 @@ def _what(e: BaseException) -> str:
 def _record_fail(store, msg: str, by_signal: bool) -> tuple[str, bool]:
     """Record the job's failure in ``store`` (the first one recorded wins: compare_set); returns the record
     (line, whether it is a rank's signal); our own when the store is gone."""
-    mine = json.dumps({"line": msg, "signal": by_signal})
+    # one small request (dist/store.py): a line longer than 1000 characters is cut there
+    mine = json.dumps({"line": msg if len(msg) <= 1000 else msg[:997] + "...", "signal": by_signal})
     try:
         return _decode_fail(store.compare_set("fail", "", mine))
     except Exception:  # noqa: BLE001 - the store is gone: our own line stands
@@ -244,7 +246,7 @@ class Group:
         self.lead_rank = rank == 0
         _SEQ[0] += 1  # before connecting: a command that cannot connect used its key space all the same
         raw, self.addr, self.port = _store(rank, nranks, timeout)
-        self.store = dist.PrefixStore(_prefix(), raw)
+        self.store = SmallRequests(dist.PrefixStore(_prefix(), raw))  # what torch 2.7.1's server reads
         self.host = socket.gethostname()
         self.reason = None  # set when another rank failed: the one line every rank reports
         self._stop = threading.Event()
@@ -260,7 +262,17 @@ class Group:
         return name if rank is None else f"{name}/{rank}"
 
     def _post(self, name: str, value):
-        self.store.set(self._k(name, self.rank), json.dumps(value))
+        self._set(self._k(name, self.rank), json.dumps(value))
+
+    def _set(self, key: str, value: str):
+        """``store.set``; the store gone (torch's DistNetworkError, a RuntimeError): PeerFailed, one line."""
+        try:
+            self.store.set(key, value)
+        except RuntimeError as e:
+            if isinstance(e, PeerFailed):
+                raise
+            self._raised = True
+            raise PeerFailed(self._lost(e)) from None
 
     def _beats(self) -> list:
         """Every rank's heartbeat key: a counter while it runs, ``BYE`` once it is done (two round trips); None
@@ -391,7 +403,7 @@ class Group:
     # -- life
     def start(self):
         """Join: say who we are, learn who the others are, start the heartbeat."""
-        self.store.set(f"beat/{self.rank}", "0")  # before "who": once every rank is known, every beat key exists
+        self._set(f"beat/{self.rank}", "0")  # before "who": once every rank is known, every beat key exists
         self._post("who", {"host": self.host, "pid": os.getpid(), "boot": _boot_id()})
         self.peers = dict(enumerate(self._wait("who", range(self.world), "the start")))
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="ckpt-tools-watch")
