@@ -12,8 +12,8 @@ the rope dims of q and k itself, as HF's rope_interleave and vLLM's is_neox_styl
 (gpt_layer_specs.py): no keys map, ``input_layernorm`` / ``pre_mlp_layernorm`` and the q / kv layernorms by their
 names; TE MLA spec: the q / kv norms fused into linear_q_up_proj / linear_kv_up_proj, a dense layer's pre-MLP norm
 into linear_fc1. vLLM models/deepseek_v2.py (MLA): fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa], replicated.
-MTP layers (DeepSeek's layer 61) as GLM's: enorm, hnorm, eh_proj, shared_head.norm and a decoder layer (their
-embed_tokens / shared_head.head copies of the main ones are not read: --no-mtp for checkpoints that hold them).
+MTP layers (DeepSeek's layer 61) as GLM's: enorm, hnorm, eh_proj, shared_head.norm and a decoder layer, plus
+embed_tokens / shared_head.head, copies of the main model's (megatron keeps one of each: they must be equal).
 """
 from . import common as c
 
@@ -99,7 +99,11 @@ LAYER = [
 ]
 MTP = [dict(hf=n, shape=c.norm, mcore=m, shard="rep") for n, m in (("enorm.weight", "enorm.weight"), (
     "hnorm.weight", "hnorm.weight"), ("shared_head.norm.weight", "final_layernorm.weight"))] + [
-    dict(hf="eh_proj.weight", shape=lambda m: (m.hidden, 2 * m.hidden), mcore="eh_proj.weight", shard="row")]
+    dict(hf="eh_proj.weight", shape=lambda m: (m.hidden, 2 * m.hidden), mcore="eh_proj.weight", shard="row"),
+    # DeepSeek's checkpoints hold copies of the embedding and the head here (README_WEIGHTS.md): megatron's MTP
+    # shares the main model's (multi_token_prediction.py), so they are read from / checked against those
+    dict(hf="embed_tokens.weight", shape=c.vocab, copy_of="model.embed_tokens.weight"),
+    dict(hf="shared_head.head.weight", shape=c.vocab, copy_of="lm_head.weight")]
 MTP_EXTRA_STATE = {"local": ["eh_proj._extra_state"], "mindspeed": [],
                    "te": ["enorm._extra_state", "hnorm._extra_state", "eh_proj._extra_state",
                           "final_layernorm._extra_state"]}

@@ -23,6 +23,7 @@ import torch
 import converters
 from ckpt_tools import convert
 from ckpt_tools.formats.views import HFView, McoreView
+from ckpt_tools.testing import hf_files
 from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
 from conftest import run_megatron
@@ -43,7 +44,7 @@ def topology(family):
 MTP = {"glm4_moe": "num_nextn_predict_layers", "deepseek_v3": "num_nextn_predict_layers"}  # their MTP count field
 
 
-def add_mtp(d: str, field: str):
+def add_mtp(d: str, field: str, copies: bool = False):
     """Give the HF model in ``d`` one MTP layer as GLM-4.5 / DeepSeek-V3 checkpoints hold it (transformers builds
     none): ``model.layers.{L}.`` enorm, hnorm, eh_proj (H x 2H), shared_head.norm and a decoder layer shaped as
     layer L-1 (random values), in a file of its own listed in the index; the config's ``field`` says 1."""
@@ -66,6 +67,10 @@ def add_mtp(d: str, field: str):
     for n, shape in (("enorm.weight", (H,)), ("hnorm.weight", (H,)), ("eh_proj.weight", (H, 2 * H)),
                      ("shared_head.norm.weight", (H,))):
         new[f"model.layers.{L}.{n}"] = (torch.randn(shape, generator=g) * 0.1 + (len(shape) == 1)).to(dt)
+    if copies:  # DeepSeek's layer 61 also holds copies of the embedding and the output head (README_WEIGHTS.md)
+        get, _ = hf_files(d)
+        new[f"model.layers.{L}.embed_tokens.weight"] = get("model.embed_tokens.weight").clone()
+        new[f"model.layers.{L}.shared_head.head.weight"] = get("lm_head.weight").clone()
     save_file(new, os.path.join(d, "model-mtp.safetensors"), metadata={"format": "pt"})
     idx["weight_map"].update({n: "model-mtp.safetensors" for n in new})
     json.dump(idx, open(idx_path, "w"), indent=2)
@@ -86,7 +91,7 @@ def models(tmp_path_factory):
             made[key] = make_tiny_hf(str(root / f"{family}_{dtype}"), model_type=base, seed=7,
                                      dtype=torch.float32 if dtype == "fp32" else torch.bfloat16, **kw)
             if base in MTP:
-                add_mtp(made[key], MTP[base])
+                add_mtp(made[key], MTP[base], copies=base == "deepseek_v3")
         return made[key]
 
     return get
@@ -396,3 +401,32 @@ def test_an_unknown_family_is_one_line_naming_the_known_ones(models, tmp_path, c
         assert len(err.splitlines()) == 1 and says in err, err
         if "gpt2" in says:
             assert all(t in err for t in converters.model_types())
+
+
+def test_deepseek_mtp_copies_of_embedding_and_head(models, tmp_path, capsys):
+    """DeepSeek's MTP layer holds copies of the embedding and the output head, which megatron's MTP shares with the
+    main model: hf2mcore checks them equal (one line, nothing written, when one differs), mcore2hf writes them back
+    from the one tensor megatron keeps, verify compares them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ckpt_tools.cli import main
+
+    hf = models("deepseek_v3", "bf16")
+    mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
+    capsys.readouterr()
+    assert main(["hf2mcore", "--hf", hf, "--out", mc, "--no-progress", "--pp", "2", "--ep", "2"]) == 0
+    assert not [k for k in McoreView(mc, HFView(hf).cfg).ckpt.tensors if "embed_tokens" in k and "mtp" in k]
+    assert main(["mcore2hf", "--mcore", mc, "--hf-config", hf, "--out", back, "--no-progress"]) == 0
+    _equal_hf(hf, back)  # the copies included
+    assert main(["verify", "--hf", hf, "--mcore", mc, "--no-progress"]) == 0
+    bad = shutil.copytree(hf, str(tmp_path / "bad"))  # one element of the head's copy changed
+    with safe_open(os.path.join(bad, "model-mtp.safetensors"), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t["model.layers.6.shared_head.head.weight"][7, 3] += 1
+    save_file(t, os.path.join(bad, "model-mtp.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["hf2mcore", "--hf", bad, "--out", str(tmp_path / "mc_bad"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.layers.6.shared_head.head.weight differs from lm_head.weight" in err
+    assert not os.path.exists(tmp_path / "mc_bad")

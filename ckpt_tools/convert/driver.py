@@ -22,6 +22,8 @@ import os
 import time
 from typing import Callable, NamedTuple
 
+import torch
+
 from ..copy import engine
 from ..copy.destination import Destination
 from ..core.errors import InputError, PeerFailed
@@ -133,11 +135,35 @@ def _check_complete(job: Job, view, dest: Destination, error):
     placed = dest.placed()
     if placed is None:
         return
+    copies = dest.copies()
     for name in view.names():
         want, got = numel(view.shapes[name]), placed.get(name, 0)
-        if got < want:
+        if got < want and name in copies:
+            _check_copy(view, name, copies[name], error)
+        elif got < want:
             raise error(f"{out}: the output would hold {got} of the {want} elements of {name} (the source's "
                         f"tensor): refused, nothing written")
+
+
+def _check_copy(view, name: str, orig: str, error, block_bytes: int = 64 << 20):
+    """Source tensor ``name`` is a copy of ``orig`` that the output keeps once (DeepSeek's MTP layer's embedding /
+    head: megatron's MTP shares the main model's): bit for bit equal to it, read in row blocks of bounded size, or
+    one line naming both, nothing written."""
+    shape = view.shapes[name]
+    if tuple(view.shapes.get(orig, ())) != tuple(shape):
+        raise error(f"{view.path}: {name} {list(shape)} should be a copy of {orig} {list(view.shapes.get(orig, []))}")
+    rows = max(1, block_bytes // max(1, numel(shape[1:]) * 4))
+    for r in range(0, shape[0], rows):
+        box = ((r, min(shape[0], r + rows)),) + tuple((0, n) for n in shape[1:])
+        a, b = view.read(name, box), view.read(orig, box)
+        if a.dtype != b.dtype or not a.view(-1).view(_bits(a)).equal(b.view(-1).view(_bits(b))):
+            raise error(f"{view.path}: {name} differs from {orig} (rows from {r}), which the output keeps for both "
+                        f"(megatron's MTP shares the main model's): refused, nothing written")
+
+
+def _bits(t):
+    """The integer dtype of ``t``'s element size: equality of bits (NaN payloads, -0.0)."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
 def _check_written(root: str, items: list, owner: list, parts: list, world: int):

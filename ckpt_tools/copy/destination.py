@@ -58,6 +58,11 @@ class Destination:
     def summary(self) -> dict:
         return {}
 
+    def copies(self) -> dict:
+        """{HF tensor name: the HF tensor the output keeps for it}: source tensors not written as such because
+        the output format keeps one tensor for both (they must be equal; the driver checks it)."""
+        return {}
+
     def placed(self) -> dict | None:
         """{HF tensor name: elements of it the output holds} (replicas counted; padding not), from the layout
         the copy follows, before anything is staged; None: not known (the driver then checks only that the

@@ -224,6 +224,9 @@ class TorchDistDestination(Destination):
             rec = Rec(os.path.join(root, fn), off, shp, cdt, head=head, tail=tail, what=c.key)
             yield rec, functools.partial(self._ops, c, rec)
 
+    def copies(self) -> dict:
+        return dict(self.layout.copies)
+
     def placed(self) -> dict:
         """Elements of each HF tensor in the chunks (the pieces :meth:`_ops` copies)."""
         out: dict = defaultdict(int)

@@ -190,6 +190,11 @@ class MegatronLayout:
                 for row in layer_rows(table, cfg, i, "mcore"):
                     self._add(prefix + f"{MCORE_LAYERS}{i}.", row, [(i, pre.format(i=i))], ("layer", i))
         mtp_rows = list(getattr(table, "MTP", ()))
+        # HF tensors megatron does not keep apart (an MTP layer's copies of the embedding and the output head, which
+        # megatron's MTP shares with the main model: multi_token_prediction.py tie_*_state_dict): HF name -> the
+        # one they equal; read from the original, and a source's copy must equal it (convert.driver)
+        self.copies = {pre.format(i=L + k) + r["hf"]: r["copy_of"] for k in range(cfg.mtp_layers)
+                       for r in layer_rows(table, cfg, L + k) if "copy_of" in r}
         for k in range(cfg.mtp_layers):
             i = L + k
             for row in layer_rows(table, cfg, i, "mcore"):
@@ -274,11 +279,13 @@ class MegatronLayout:
         return self._index
 
     def hf_index(self) -> dict:
-        """hf name -> segments into megatron keys."""
+        """hf name -> segments into megatron keys (a copy, :attr:`copies`: its original's segments)."""
         out = defaultdict(list)
         for ts in self.tensors.values():
             for s in ts.segments:
                 out[s.hf].append(s)
+        for copy, orig in self.copies.items():
+            out[copy] = [Segment(copy, s.hf_box, s.key, s.box) for s in out[orig]]
         return dict(out)
 
     def nlead(self, key: str) -> int:

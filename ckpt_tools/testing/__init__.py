@@ -55,8 +55,8 @@ class FakeActor:
 
         lay = schedule.mlayout
         segs = {}  # (key, leading point indices) -> segments: a chunk meets only the segments at its own points
-        for ss in lay.hf_index().values():
-            for s in ss:
+        for hf, ss in lay.hf_index().items():
+            for s in ss if hf not in lay.copies else ():  # (a copy of another HF tensor: its segments are those)
                 segs.setdefault((s.key, _lead(s.box, lay.nlead(s.key))), []).append(s)
         self.items = {}
         for c in lay.chunks():
