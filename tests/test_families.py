@@ -274,7 +274,8 @@ def test_presets_are_the_flagship_sizes():
     want = {"qwen3-235b-a22b": 235.1, "qwen2.5-72b": 72.7, "qwen2.5-7b": 7.6, "llama-3.1-8b": 8.0,
             "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6,
             "glm-4.5": 356.8, "glm-4.6": 356.8, "glm-4.5-air": 109.2,  # GLM with its MTP layer
-            "deepseek-v3": 682.6, "kimi-k2": 1026.4}  # DeepSeek's MTP layer without its embedding / head copies
+            "deepseek-v3": 684.5, "kimi-k2": 1026.4}  # DeepSeek: with its MTP layer and that layer's copies
+    # of the embedding and the head (its model card: 671B main model + 14B MTP module = 685B)
     assert set(billions) == set(want)
     for name, b in billions.items():
         assert abs(b - want[name]) < 0.1, (name, b)
