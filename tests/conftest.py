@@ -113,3 +113,17 @@ def twin_hf(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("twin_hf"))
     make_synthetic_hf(d, twin_config(), max_shard_size=8 * 10 ** 6, progress=False)
     return d
+
+
+@pytest.fixture(scope="session")
+def users_235b_schedule():
+    """The users' weight-sync schedule, built once for the tests that read it (tests/test_sync.py,
+    tests/test_sync_plan.py): actor PP8/TP4/EP4 (11/12x6/11) = 128 ranks, 2 colocated vLLM TP8 x DP8 EP64, 8
+    ranks per node."""
+    from ckpt_tools.layout import load_config
+    from ckpt_tools.layout.topology import MegatronParallel, VllmParallel
+    from ckpt_tools.sync.schedule import SyncSchedule
+
+    cfg = load_config("qwen3-235b-a22b")
+    mpar = MegatronParallel.build(94, pp=8, tp=4, ep=4, first=11, last=11)
+    return SyncSchedule(cfg, mpar, VllmParallel(8, 8, True), "te", rollout_replicas=2, ranks_per_node=8)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from ckpt_tools.layout import LayoutError, MegatronParallel, VllmParallel, box_numel
-from ckpt_tools.layout.model_config import config_from_dict, load_config
+from ckpt_tools.layout.model_config import config_from_dict
 from ckpt_tools.sync import SyncSchedule
 from ckpt_tools.testing.synth import TINY
 
@@ -79,12 +79,11 @@ def test_fingerprint_and_errors():
         SyncSchedule(cfg, MegatronParallel.build(6, tp=2), VllmParallel(2), "local", actor_ranks=[0])
 
 
-def test_users_235b_job_plan():
+def test_users_235b_job_plan(users_235b_schedule):
     """PP8 x TP4 x EP4 (11/12x6/11 stages, dense DP 4) on 128 ranks, colocated with 2 replicas of vLLM TP8 x DP8 EP64."""
-    cfg = load_config("qwen3-235b-a22b")
-    mpar = MegatronParallel.build(94, pp=8, tp=4, ep=4, first=11, last=11)
+    s = users_235b_schedule
+    mpar = s.mpar
     assert mpar.world == 128 and mpar.dp == 4 and mpar.edp == 1
-    s = SyncSchedule(cfg, mpar, VllmParallel(8, 8, True), "te", rollout_replicas=2, ranks_per_node=8)
     st = s.stats()
     assert s.rollout_ranks == list(range(128)) and s.describe().endswith("bfloat16") and "colocated" in s.describe()
     assert set(st["recv_bytes"]) == {st["recv_min_possible"]} == {_loader_bytes(s, 0)}

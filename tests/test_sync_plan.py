@@ -9,7 +9,7 @@ import pytest
 from ckpt_tools import cli
 from ckpt_tools.convert import megatron_parallel
 from ckpt_tools.layout import MegatronParallel, VllmParallel, box_numel
-from ckpt_tools.layout.model_config import config_from_dict, load_config
+from ckpt_tools.layout.model_config import config_from_dict
 from ckpt_tools.sync import SyncSchedule
 from ckpt_tools.sync.cost import delta_figures, plan_sync
 from ckpt_tools.testing.baselines import gather_all_figures
@@ -30,11 +30,11 @@ def _vllm_shard_bytes(vlayout, local, elem):
 
 
 @pytest.fixture(scope="module")
-def users_job():
-    """The users' topology: actor PP8/TP4/EP4 (11/12x6/11) = 128 ranks, 2 colocated vLLM TP8 x DP8 EP64."""
-    cfg = load_config("qwen3-235b-a22b")
-    mpar = megatron_parallel(cfg, 8, 4, 4, None, 11, 11, None)
-    s = SyncSchedule(cfg, mpar, VllmParallel(8, 8, True), "te", rollout_replicas=2)
+def users_job(users_235b_schedule):
+    """The users' topology: actor PP8/TP4/EP4 (11/12x6/11) = 128 ranks, 2 colocated vLLM TP8 x DP8 EP64
+    (conftest: the schedule is built once; plan_sync only reads it)."""
+    s = users_235b_schedule
+    assert s.mpar == megatron_parallel(s.cfg, 8, 4, 4, None, 11, 11, None)  # what plan builds for these flags
     return s, plan_sync(s)
 
 

@@ -76,7 +76,7 @@ def find_hf_config(mcore: str, cmd: str) -> str:
     return beside
 
 
-def _plan_sync(args, cfg, par, vp, p):
+def _plan_sync(args, cfg, par, vp, p, rates):
     reps = args.rollout_replicas
     if reps is None:
         reps = max(1, par.world // vp.world)
@@ -90,7 +90,7 @@ def _plan_sync(args, cfg, par, vp, p):
     s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
                      ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,
                      vocab_size_divisible_by=args.vocab_div)
-    r = plan_sync(s, intra, inter, lat, density=args.density, rates=_stage_rates(args), shadow=args.shadow,
+    r = plan_sync(s, intra, inter, lat, density=args.density, rates=rates, shadow=args.shadow,
                   verify=args.sync_verify == "every")
     if r["problems"]:
         raise LayoutError(f"sync schedule fails its own check: {r['problems'][0]}")
@@ -323,6 +323,7 @@ def _plan_distributed(args, p):
 def cmd_plan(args) -> int:
     if args.density is not None and not args.sync:
         raise LayoutError("--density needs --sync (it prices the weight sync as a delta)")
+    rates = _stage_rates(args) if args.sync else None  # --calibrate's file checked before any work
     cfg = load_config(args.config)
     par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
     nbytes = DTYPES[args.dtype].itemsize
@@ -355,7 +356,7 @@ def cmd_plan(args) -> int:
         print(f"{v['layout']}: padded vocab {v['padded_vocab']}, per rank "
               f"{fmt_bytes(min(x['bytes'] for x in v['ranks']))} .. {fmt_bytes(max(x['bytes'] for x in v['ranks']))}")
     if args.sync:
-        _plan_sync(args, cfg, par, vp, p)
+        _plan_sync(args, cfg, par, vp, p, rates)
     _dump(p, args.json)
     return 0
 
