@@ -127,3 +127,26 @@ def users_235b_schedule():
     cfg = load_config("qwen3-235b-a22b")
     mpar = MegatronParallel.build(94, pp=8, tp=4, ep=4, first=11, last=11)
     return SyncSchedule(cfg, mpar, VllmParallel(8, 8, True), "te", rollout_replicas=2, ranks_per_node=8)
+
+
+def flip_byte(path: str, off: int, mask: int = 0x10):
+    """XOR the byte at ``off`` of ``path`` with ``mask`` in place (a corrupted checkpoint)."""
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def logits_vs_transformers(run_dir: str, model, ids) -> float:
+    """The megatron forward's logits (``run_megatron(..., forward=ids)`` writes ``logits.pt`` in ``run_dir``)
+    against transformers' ``model`` (fp32, eval) on the same ids: equal shapes and argmax tokens asserted; returns
+    the largest absolute difference (each caller asserts its own bound) and prints it."""
+    got = torch.load(os.path.join(run_dir, "logits.pt"))
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits
+    assert got.shape == ref.shape
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))  # the argmax tokens agree everywhere
+    diff = (got - ref).abs().max().item()
+    print(f"max |logits megatron - transformers| = {diff:.3e} (max |logit| {ref.abs().max().item():.3f})")
+    return diff

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ckpt_tools.dist.divide import divide, divide_in_order
-from conftest import HERE, ROOT, free_port
+from conftest import HERE, ROOT, flip_byte, free_port
 from test_trust_fs import _tree
 
 TOPO = ["--pp", "2", "--tp", "2", "--ep", "2"]
@@ -154,11 +154,7 @@ def test_distributed_verify_reports_a_flipped_byte_once(tiny_hf_bf16, tmp_path):
     # a byte in the middle of the data of one chunk of the last rank file
     rel = "__7_0.distcp"
     off, n, _, what = [r for r in man["files"][rel]["ranges"] if r[3] != "-"][-1]
-    with open(os.path.join(mc, rel), "r+b") as f:
-        f.seek(off + n // 2)
-        b = f.read(1)
-        f.seek(off + n // 2)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(os.path.join(mc, rel), off + n // 2)
     codes, p = _torchrun(tmp_path, [["verify", "--mcore", mc, "--hf-config", tiny_hf_bf16, *QUIET],
                                     ["verify", "--hf", tiny_hf_bf16, "--mcore", mc, *QUIET]])
     assert all(c == [1, 1] for c in codes.values()), (codes, p.stderr[-3000:])

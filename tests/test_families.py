@@ -26,7 +26,7 @@ from ckpt_tools.formats.views import HFView, McoreView
 from ckpt_tools.testing import hf_files
 from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
-from conftest import run_megatron
+from conftest import logits_vs_transformers, run_megatron
 
 FAMILIES = ["qwen2", "llama", "mixtral", "glm4_moe", "deepseek_v3"]
 # variants judged by megatron-core and vLLM too: DeepSeek without query compression (q_lora_rank null: q_proj)
@@ -161,15 +161,8 @@ def test_forward_logits_equal_transformers(family, models, tmp_path):
     res, d = run_megatron(str(tmp_path), hf=hf, load=out, forward=ids, tp=2, pp=1, ep=1,
                           config={MTP[family]: 0} if family in MTP else {})
     assert all(r["bad"] == [] and r["missing"] == [] for r in res), res
-    got = torch.load(os.path.join(d, "logits.pt"))
-    m = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = m(torch.tensor(ids)).logits
-    assert got.shape == ref.shape
-    diff = (got - ref).abs().max().item()
-    print(f"{family}: max |logits megatron - transformers| = {diff:.3e} (max |logit| {ref.abs().max().item():.3f})")
-    assert diff < 1e-4
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    diff = logits_vs_transformers(d, AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval(), ids)
+    assert diff < 1e-4, family
 
 
 def _same_params(got, want):

@@ -12,6 +12,7 @@ import torch
 from ckpt_tools import cli, convert
 from ckpt_tools.formats.views import HFView
 from ckpt_tools.integrity import MANIFEST
+from conftest import flip_byte
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,11 +53,7 @@ def test_flipped_data_byte_is_caught_by_single_side_verify(outputs, kind, suffix
     man = json.load(open(os.path.join(bad, MANIFEST)))
     rel, ent = next((r, e) for r, e in man["files"].items() if r.endswith(suffix))
     off, n, _, what = next(x for x in ent["ranges"] if x[3] != "-" and x[1] > 64)  # a tensor's data bytes
-    with open(os.path.join(bad, rel), "r+b") as f:
-        f.seek(off + n // 2)
-        b = f.read(1)
-        f.seek(off + n // 2)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(os.path.join(bad, rel), off + n // 2)
     rc, out = _verify_one(capsys, kind, bad, outputs["src"])
     assert rc == 1 and "checksum" in out and rel in out and what in out, out
     os.remove(os.path.join(bad, MANIFEST))  # without a manifest the data cannot be checked, and it says so
@@ -79,11 +76,7 @@ def test_a_file_without_a_manifest_entry_is_not_data_checked(outputs, kind, suff
     rel = next(r for r in man["files"] if r.endswith(suffix))
     off, n, _, _ = next(x for x in man["files"].pop(rel)["ranges"] if x[3] != "-" and x[1] > 64)
     json.dump(man, open(mp, "w"))
-    with open(os.path.join(bad, rel), "r+b") as f:
-        f.seek(off + n // 2)
-        b = f.read(1)
-        f.seek(off + n // 2)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(os.path.join(bad, rel), off + n // 2)
     rc, out = _verify_one(capsys, kind, bad, outputs["src"])
     last = out.strip().splitlines()[-1]
     assert rc == 1 and last.startswith("FAILED") and "data checked" not in last, out

@@ -14,6 +14,7 @@ import torch
 from ckpt_tools import cli, convert
 from ckpt_tools.formats.views import FormatError, widest
 from ckpt_tools.integrity import MANIFEST, IntegrityError, SourceCheck, hash_bytes, load_manifest
+from conftest import flip_byte
 
 
 def _cli(capsys, *argv):
@@ -48,11 +49,7 @@ def _argv(direction, src, out, cfg):
 
 
 def _flip(path, off):
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(path, off, 0x01)
 
 
 @pytest.mark.parametrize("where", ["data", "header"])

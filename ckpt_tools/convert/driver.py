@@ -22,8 +22,6 @@ import os
 import time
 from typing import Callable, NamedTuple
 
-import torch
-
 from ..copy import engine
 from ..copy.destination import Destination
 from ..core.errors import InputError, PeerFailed
@@ -37,6 +35,7 @@ from ..layout import numel
 from ..output.guard import check_out
 from ..output.stage import discard, publish, staging
 from ..verify import checked_source
+from ..verify.compare import equal_bits
 
 
 class Options(NamedTuple):
@@ -156,14 +155,9 @@ def _check_copy(view, name: str, orig: str, error, block_bytes: int = 64 << 20):
     for r in range(0, shape[0], rows):
         box = ((r, min(shape[0], r + rows)),) + tuple((0, n) for n in shape[1:])
         a, b = view.read(name, box), view.read(orig, box)
-        if a.dtype != b.dtype or not a.view(-1).view(_bits(a)).equal(b.view(-1).view(_bits(b))):
+        if not equal_bits(a, b):  # same shape, dtype and bits (NaN payloads, -0.0)
             raise error(f"{view.path}: {name} differs from {orig} (rows from {r}), which the output keeps for both "
                         f"(megatron's MTP shares the main model's): refused, nothing written")
-
-
-def _bits(t):
-    """The integer dtype of ``t``'s element size: equality of bits (NaN payloads, -0.0)."""
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
 def _check_written(root: str, items: list, owner: list, parts: list, world: int):
