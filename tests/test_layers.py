@@ -24,6 +24,8 @@ DOCUMENTED = {
     ("ckpt_tools.dist.ranks", "torch.distributed"): "the CLI imports dist.ranks before torch",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.7 s (DTensor, sympy), in the background",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",
+    ("ckpt_tools.cli.commands", "ckpt_tools.sync"): "torch.distributed: only plan --sync needs it (core/lazy.py)",
+    ("ckpt_tools.cli.commands", "ckpt_tools.sync.cost"): "the same package",
 }
 NOT_PRODUCT = ("ckpt_tools.testing", "ckpt_tools._mcore_cpu")  # test support: outside these rules
 
@@ -201,3 +203,17 @@ def test_lint(tool, argv):
         pytest.skip(f"{tool} is not installed")
     r = subprocess.run([exe, *argv], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_dtype_names_are_torchs():
+    """core/lazy.py keeps metadata dtypes by name: every name is torch's, with torch's element size, and every
+    safetensors dtype the reader accepts maps to one."""
+    import torch
+
+    from ckpt_tools.core.lazy import ITEMSIZE, dtype_name, torch_dtype
+    from ckpt_tools.formats.hf import _DT
+
+    for name, size in ITEMSIZE.items():
+        assert torch_dtype(name) is getattr(torch, name) and torch_dtype(name).itemsize == size, name
+        assert dtype_name(torch_dtype(name)) == name
+    assert set(_DT.values()) <= set(ITEMSIZE)

@@ -240,3 +240,36 @@ def test_inspect_every_output_kind(outputs, kind, tmp_path, capsys):
         f.write(" ")  # still valid JSON, one byte longer than the manifest says
     rc, out = _inspect(capsys, bad, outputs["src"])
     assert rc == 0 and "integrity: ok" not in out and "sizes WRONG" in out and "says" in out, out
+
+
+def test_inspect_and_plan_import_no_torch(outputs):
+    """Issue 34 part 4: inspect of an HF or vLLM checkpoint and plan (with a vLLM layout) read JSON headers and
+    do layout arithmetic; torch (1.1-1.6 s of import here) is not imported for them (core/lazy.py). A Megatron
+    checkpoint's inspect checks its torch.save records with torch's own reader, so it does import torch."""
+    code = ("import sys\nfrom ckpt_tools.cli.entry import main\n"
+            f"rcs = [main(['inspect', {outputs['hf']!r}]), main(['inspect', {outputs['vllm']!r}]),\n"
+            f"       main(['plan', '--config', {outputs['src']!r}, '--tp', '2', '--ep', '2', '--vllm-tp', '2'])]\n"
+            "print('RESULT', rcs, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+            f"main(['inspect', {outputs['mcore']!r}, '--hf-config', {outputs['src']!r}])\n"
+            "print('MCORE', 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "RESULT [0, 0, 0] []" in r.stdout and "MCORE True" in r.stdout, r.stdout + r.stderr
+    assert "format: vllm" in r.stdout and "integrity: ok" in r.stdout and "vLLM TP2" in r.stdout, r.stdout
+
+
+def test_a_wrong_vllm_buffer_value_is_reported(outputs, tmp_path, capsys):
+    """The attention scale buffers vLLM 0.32 loads (float32 1.0) are compared without torch, bit for bit: one
+    set to 2.0 is named by inspect with its value (and the manifest flags the changed bytes in verify)."""
+    from ckpt_tools.formats.hf import HFReader
+
+    bad = str(tmp_path / "vl")
+    shutil.copytree(outputs["vllm"], bad)
+    fn = "model-rank-1-part-0.safetensors"
+    name = "model.layers.1.self_attn.attn._k_scale"
+    fp, off, shape, dt = HFReader(bad, only=fn)._rec_args[name]
+    assert (shape, dt) == ((), "float32")
+    with open(fp, "r+b") as f:
+        f.seek(off)
+        f.write(torch.tensor(2.0, dtype=torch.float32).numpy().tobytes())
+    rc, out = _inspect(capsys, bad, outputs["src"])
+    assert rc == 0 and f"{fn}: {name} is 2.0 (torch.float32), vLLM expects 1.0 (float32)" in out, out

@@ -8,20 +8,17 @@ import json
 import os
 import sys
 
-import torch
-
 from .. import convert
 from ..convert.directions import DTYPES, megatron_parallel
 from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_vllm, predict, predict_distributed
 from ..core.files import read_json
+from ..core.lazy import ITEMSIZE, torch_dtype
 from ..dist import ranks as distributed
 from ..formats.fp8 import BlockScaledReader, format_fp8
 from ..formats.torch_dist import SIDE_CAR
 from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
-from ..sync import SyncSchedule
-from ..sync.cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync, stage_rates
 from ..verify import check_one, inspect_checks, print_one, print_report, verify
 
 
@@ -77,6 +74,9 @@ def find_hf_config(mcore: str, cmd: str) -> str:
 
 
 def _plan_sync(args, cfg, par, vp, p, rates):
+    from ..sync import SyncSchedule  # lazy: torch.distributed (inspect and plan without --sync stay torch-free)
+    from ..sync.cost import INTER_GBPS, INTRA_GBPS, LATENCY_US, plan_sync
+
     reps = args.rollout_replicas
     if reps is None:
         reps = max(1, par.world // vp.world)
@@ -86,7 +86,7 @@ def _plan_sync(args, cfg, par, vp, p, rates):
     intra = INTRA_GBPS if args.intra_node_gbps is None else args.intra_node_gbps  # (ranges: parser.GBPS, LATENCY_US)
     inter = INTER_GBPS if args.inter_node_gbps is None else args.inter_node_gbps
     lat = LATENCY_US if args.latency_us is None else args.latency_us
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dt = torch_dtype(DTYPES[args.dtype])
     s = SyncSchedule(cfg, par, vp, args.spec, rollout_ranks=range(vp.world * reps), rollout_replicas=reps,
                      ranks_per_node=args.ranks_per_node, dtype=dt, bucket_bytes=args.bucket_size,
                      vocab_size_divisible_by=args.vocab_div)
@@ -122,6 +122,7 @@ def _plan_sync(args, cfg, par, vp, p, rates):
 
 def _stage_rates(args) -> dict:
     """plan --sync's stage rates: the defaults, a device check's measurements (--calibrate), explicit flags."""
+    from ..sync.cost import stage_rates  # lazy: the sync package imports torch.distributed
     cal = None
     if args.calibrate:
         try:
@@ -326,7 +327,7 @@ def cmd_plan(args) -> int:
     rates = _stage_rates(args) if args.sync else None  # --calibrate's file checked before any work
     cfg = load_config(args.config)
     par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
-    nbytes = DTYPES[args.dtype].itemsize
+    nbytes = ITEMSIZE[DTYPES[args.dtype]]
     p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div)
     print(f"{cfg.model_type}: {cfg.layers} layers, {cfg.experts} experts, hidden {cfg.hidden}; {p['topology']}")
     print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'])} ({args.dtype}); {p['chunks']} chunks, "
@@ -367,7 +368,7 @@ def cmd_inspect(args) -> int:
     v = open_view(args.path, cfg)
     info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
             "experts": v.cfg.experts, "tensors": len(v.shapes),
-            "dtype": str(v.dtype) if v.dtype else "+".join(sorted({str(v.dtype_of(n)) for n in v.names()}))}
+            "dtype": "+".join(sorted(f"torch.{n}" for n in v.dtype_names()))}
     if v.kind == "mcore":
         info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))

@@ -1,7 +1,8 @@
 """The ``ckpt-tools`` entry point: parse, run the command, map what escapes it to one line and its exit code, signals.
 
 Nothing here imports torch: ``--help`` and usage errors answer without it, and :func:`_quiet_c10d` must run before
-torch is imported (the commands, which need torch, are imported after it: a documented start-up cost).
+torch is imported (the commands, which need torch, are imported after it: a documented start-up cost). ``plan`` and
+``inspect`` skip it: they never reach a store, and import torch only where they need it (core/lazy.py).
 """
 from __future__ import annotations
 
@@ -53,11 +54,12 @@ def _main(argv) -> int:
     if flag:  # (a message would print an empty path, or a relative lookup would use the working directory)
         print(f"ckpt-tools {args.cmd}: error: {flag} is empty: give a path", file=sys.stderr)
         return 2
-    _quiet_c10d()
+    joins = args.cmd not in ("plan", "inspect")  # the commands that run on every rank under torchrun
+    if joins:  # plan and inspect never reach the store, and import torch only where they need it (core/lazy.py)
+        _quiet_c10d()
     from .commands import run  # lazy (a documented start-up cost): torch, imported only after _quiet_c10d
 
     distributed.ARGV = list(sys.argv[1:] if argv is None else argv)
-    joins = args.cmd not in ("plan", "inspect")  # the commands that run on every rank under torchrun
     try:
         rank, nranks = distributed.world()
         if nranks > 1 and joins:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import functools
 import os
 
-import torch
-
 from converters import vllm_names
 
 from ..copy.plan import Op
+from ..core.lazy import torch, torch_dtype
 from ..formats.hf import HFDestination
 from ..formats.torch_dist import DistCkptError, TorchDistDestination
 from ..formats.views import FormatError, HFView, McoreView, open_view, widest
@@ -31,7 +30,7 @@ from ..layout.model_config import load_config
 from ..output.guard import check_out
 from .driver import Job, Options, convert
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch dtype name (core.lazy)
 
 
 def _dtype(name, default):
@@ -39,7 +38,7 @@ def _dtype(name, default):
         return default
     if name not in DTYPES:
         raise LayoutError(f"--dtype must be one of {sorted(DTYPES)} (got {name!r})")
-    return DTYPES[name]
+    return torch_dtype(DTYPES[name])
 
 
 def megatron_parallel(cfg, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None):

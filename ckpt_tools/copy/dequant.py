@@ -20,11 +20,10 @@ alone (~1.4 G elements/s on one thread here), the same bits.
 """
 from __future__ import annotations
 
-import torch
-
+from ..core.lazy import torch
 from ..layout.blocks import scale_box
 
-FP8_FORMATS = {"e4m3": torch.float8_e4m3fn}  # quantization_config "fmt" -> stored dtype (DeepSeek, Qwen3 FP8)
+FP8_FORMATS = {"e4m3": "float8_e4m3fn"}  # quantization_config "fmt" -> stored torch dtype name (DeepSeek, Qwen3 FP8)
 SCRATCH_ELEMS = 1 << 20  # elements widened per step (6 bytes each: the int16 bits and the float32 values)
 SCRATCH_BYTES_PER_ELEM = 6
 

@@ -41,8 +41,8 @@ import time
 from collections import deque
 
 import numpy as np
-import torch
 
+from ..core.lazy import torch
 from ..integrity import hash_bytes, hash_range
 from ..layout import box_numel, box_shape, box_shift, box_slices
 from ..layout.blocks import scale_box

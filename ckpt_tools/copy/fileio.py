@@ -8,8 +8,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
+from ..core.lazy import torch
 from ..layout import Box, box_shape, box_shift, box_slices, full_box
 from .plan import EngineError, Rec, contiguous_span, span_box
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
+from ..core.lazy import torch
 from ..layout import Box, box_intersect, box_numel, full_box
 
 

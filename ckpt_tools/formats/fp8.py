@@ -23,10 +23,9 @@ import os
 import re
 from collections import Counter
 
-import torch
-
 from ..copy.dequant import FP8_FORMATS, dequant_into
 from ..core.files import read_json
+from ..core.lazy import ITEMSIZE, dtype_name, torch
 from ..layout import Box, box_shape, full_box
 from ..layout.blocks import scale_box, scale_shape
 from .hf import HFError, HFReader
@@ -34,12 +33,11 @@ from .hf import HFError, HFReader
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name: ``{weight name}_scale_inv``
 
 
-def _dt(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")
+_dt = dtype_name
 
 
-def block_scheme(q, where: str) -> tuple[torch.dtype, tuple[int, int]]:
-    """(stored FP8 dtype, (block rows, block columns)) from a ``quantization_config``; one line otherwise."""
+def block_scheme(q, where: str) -> tuple[str, tuple[int, int]]:
+    """(stored FP8 dtype's name, (block rows, block columns)) from a ``quantization_config``; one line otherwise."""
     if not isinstance(q, dict):
         raise HFError(f"{where}: quantization_config is {q!r}, not an object")
     method = q.get("quant_method")
@@ -85,12 +83,12 @@ class BlockScaledReader(HFReader):
                 continue
             sk = self.scale_of.get(k)
             if sk is None:
-                if dt.is_floating_point and dt.itemsize == 1:
+                if dt.startswith("float") and ITEMSIZE[dt] == 1:
                     raise HFError(f"{path}: {k} is stored as {_dt(dt)} without its scale {k}{SCALE_SUFFIX}: its "
                                   f"values are unknown (a missing scale)")
                 continue
             _, sshp, sdt = stored[sk]
-            if dt.itemsize != 1:
+            if ITEMSIZE[dt] != 1:
                 raise HFError(f"{path}: {sk} is a block scale, but {k} is stored as {_dt(dt)}, not as 1-byte FP8")
             if dt != self.fp8_dtype:
                 raise HFError(f"{path}: {k} is stored as {_dt(dt)}, but quantization_config.fmt says "
@@ -102,10 +100,10 @@ class BlockScaledReader(HFReader):
             if tuple(sshp) != want:
                 raise HFError(f"{path}: {sk} has shape {list(sshp)}; {k} of shape {list(shp)} in {bm}x{bn} blocks "
                               f"needs {list(want)} (a mis-shaped scale)")
-            if sdt != torch.float32:
+            if sdt != "float32":
                 raise HFError(f"{path}: {sk} is stored as {_dt(sdt)}, not float32")
         self.stored = stored
-        self.meta = {k: (fn, shp, torch.bfloat16 if k in self.scale_of else dt)
+        self.meta = {k: (fn, shp, "bfloat16" if k in self.scale_of else dt)
                      for k, (fn, shp, dt) in stored.items() if not k.endswith(SCALE_SUFFIX)}
         self._scaled = None
 

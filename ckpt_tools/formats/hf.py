@@ -6,12 +6,11 @@ import json
 import os
 import threading
 
-import torch
-
 from ..copy.destination import Destination
 from ..copy.fileio import read_rec_box
 from ..copy.plan import EngineError, Rec
 from ..core.errors import InputError
+from ..core.lazy import ITEMSIZE, dtype_name, torch, torch_dtype
 from ..layout import Box, numel
 
 INDEX = "model.safetensors.index.json"
@@ -67,7 +66,7 @@ class HFReader:
         self._records = None
         self._fds: dict = {}  # path -> read fd, opened on first read
         self.files = files
-        self.meta: dict[str, tuple[str, tuple, torch.dtype]] = {}
+        self.meta: dict[str, tuple[str, tuple, str]] = {}  # name -> (file, shape, torch dtype name: core.lazy)
         recs = {}
         for fn in files:
             fp = os.path.join(path, fn)
@@ -114,11 +113,14 @@ class HFReader:
         return self.meta[name][1]
 
     def dtype(self, name):
+        return torch_dtype(self.meta[name][2])
+
+    def dtype_name(self, name) -> str:
         return self.meta[name][2]
 
     def nbytes(self, name):
         fn, shp, dt = self.meta[name]
-        n = dt.itemsize
+        n = ITEMSIZE[dt]
         for s in shp:
             n *= s
         return n
@@ -127,6 +129,17 @@ class HFReader:
         """Read ``box`` of tensor ``name`` with preadv from its byte range (no mmap: a file larger than memory
         reads fine; memory follows the box)."""
         return self._read_rec(self.records()[name], box)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The stored bytes of tensor ``name`` (a small one: a scalar buffer), read without torch."""
+        fp, off, shp, dt = self._rec_args[name]
+        n = ITEMSIZE[dt] * numel(shp)
+        with open(fp, "rb") as f:
+            f.seek(off)
+            b = f.read(n)
+        if len(b) != n:
+            raise HFError(f"{fp}: truncated: {name} needs bytes up to {off + n}")
+        return b
 
     def _read_rec(self, rec: Rec, box: Box | None = None) -> torch.Tensor:
         fd = self._fds.get(rec.path)
@@ -156,13 +169,13 @@ class HFReader:
         safetensors headers (8-byte little-endian length, JSON with ``data_offsets`` relative to the data
         section, checked at open). The engine reads these byte ranges with copy_file_range / preadv."""
         if self._records is None:
-            self._records = {k: Rec(fp, off, shp, dt, what=k) for k, (fp, off, shp, dt) in self._rec_args.items()}
+            self._records = {k: Rec(fp, off, shp, torch_dtype(dt), what=k) for k, (fp, off, shp, dt) in self._rec_args.items()}
         return self._records
 
-    def validate(self, expected: dict[str, tuple], ignore=None) -> torch.dtype | None:
+    def validate(self, expected: dict[str, tuple], ignore=None) -> str | None:
         """Every expected tensor present with the expected shape, no other (but those ``ignore(name)`` allows);
-        returns the dtype when all tensors share one, None when they are mixed (each tensor then converts in its
-        own dtype)."""
+        returns the dtype's name when all tensors share one, None when they are mixed (each tensor then converts
+        in its own dtype)."""
         missing = [k for k in expected if k not in self.meta]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -236,8 +249,8 @@ def _read_header(fp: str, check: bool = False) -> tuple[int, dict]:
                 ok = False
             if not ok:
                 raise HFError(f"{fp}: corrupt safetensors header entry for {k}")
-            if b - a != numel(shp) * dt.itemsize:
-                raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {numel(shp) * dt.itemsize}")
+            if b - a != numel(shp) * ITEMSIZE[dt]:
+                raise HFError(f"{fp}: {k} holds {b - a} bytes, its shape {list(shp)} needs {numel(shp) * ITEMSIZE[dt]}")
             spans.append((a, b, k))
         pos = 0
         for a, b, k in sorted(spans):
@@ -250,12 +263,13 @@ def _read_header(fp: str, check: bool = False) -> tuple[int, dict]:
     return 8 + n, hdr
 
 
-_DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# safetensors dtype -> torch dtype name (core.lazy: metadata keeps names; torch is not needed to read a header)
+_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
+       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+       "F8_E5M2": "float8_e5m2"}
 
 
-def _dtype(s: str) -> torch.dtype:
+def _dtype(s: str) -> str:
     if s not in _DT:
         raise HFError(f"unsupported safetensors dtype {s}")
     return _DT[s]
@@ -281,7 +295,7 @@ def safetensors_files(entries: list, max_shard_bytes: int, name=None) -> list:
         fn = name or (f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors")
         hdr, off = {"__metadata__": {"format": "pt"}}, 0
         for tname, shape, dtype, nb in items:
-            hdr[tname] = {"dtype": _ST[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
+            hdr[tname] = {"dtype": _ST[dtype_name(dtype)], "shape": list(shape), "data_offsets": [off, off + nb]}
             off += nb
         hb = json.dumps(hdr, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)

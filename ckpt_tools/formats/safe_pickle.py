@@ -25,9 +25,8 @@ from __future__ import annotations
 import enum
 import pickle
 
-import torch
-
 from ..core.errors import InputError
+from ..core.lazy import torch
 
 
 class UnsafePickleError(InputError):

@@ -22,11 +22,10 @@ import pickle
 import threading
 from collections import defaultdict
 
-import torch
-
 from ..copy.destination import Destination
 from ..copy.plan import Op, Rec, map_sub
 from ..core.errors import InputError
+from ..core.lazy import torch
 from ..layout import box_intersect, box_numel, box_shape, box_shift
 
 SIDE_CAR = "ckpt_tools.json"  # hf2mcore / reshard --to mcore: how the checkpoint was written (not in the manifest)

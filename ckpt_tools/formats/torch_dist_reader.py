@@ -11,11 +11,10 @@ import struct
 import threading
 from collections import OrderedDict, defaultdict
 
-import torch
-
 from ..copy.fileio import read_rec_box
 from ..copy.plan import EngineError, Rec
 from ..core.files import read_json
+from ..core.lazy import torch
 from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
 from .safe_pickle import Metadata, TensorStorageMetadata, UnsafePickleError, load_metadata
 from .torch_dist import DistCkptError

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import os
 
-import torch
+import numpy as np
 
 import converters
 from converters import vllm_names
@@ -17,6 +17,7 @@ from converters.vllm_names import file_name
 
 from ..core.errors import InputError
 from ..core.files import read_json
+from ..core.lazy import dtype_name, torch, torch_dtype
 from ..layout import (
     SPECS,
     Box,
@@ -50,8 +51,8 @@ def _full(shape, box):
 
 
 # candidates for a merged dtype, narrowest first: the first one that holds every part exactly is taken
-_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_FLOATS = ("float8_e4m3fn", "float8_e5m2", "float16", "bfloat16", "float32", "float64")
+_INTS = ("bool", "uint8", "int8", "int16", "int32", "int64")
 
 
 def _holds(a: torch.dtype, b: torch.dtype) -> bool:
@@ -72,7 +73,8 @@ def widest(dtypes) -> torch.dtype | None:
     ds = set(dtypes)
     if len(ds) <= 1:
         return ds.pop() if ds else None
-    for kind in (_FLOATS, _INTS):
+    for names in (_FLOATS, _INTS):
+        kind = [torch_dtype(n) for n in names]
         if ds <= set(kind):
             return next(c for c in kind if all(_holds(c, d) for d in ds))
     raise FormatError(f"tensors of dtypes {', '.join(sorted(str(d).replace('torch.', '') for d in ds))} fused "
@@ -110,10 +112,19 @@ class HFView:
         self.shapes = hf_shapes(self.cfg)
         # None when the tensors' dtypes differ; the tensors of MTP layers left out (--no-mtp) may be there
         try:
-            self.dtype = self.reader.validate(self.shapes, ignore=dropped(self.cfg))
+            self.dtype_name = self.reader.validate(self.shapes, ignore=dropped(self.cfg))
         except HFError as e:
             raise HFError(str(e) + _mtp_hint(self.cfg, [n for n in self.shapes if n not in self.reader.meta])) from None
-        check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype(n)) for n in self.shapes))
+        check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype_name(n)) for n in self.shapes))
+
+    @property
+    def dtype(self):
+        """The one torch dtype of the model's tensors, None when they differ."""
+        return None if self.dtype_name is None else torch_dtype(self.dtype_name)
+
+    def dtype_names(self) -> set:
+        """The stored dtypes' names (torch's: core.lazy) of the model's tensors."""
+        return {self.reader.dtype_name(n) for n in self.shapes}
 
     def names(self):
         return list(self.shapes)
@@ -169,6 +180,10 @@ class McoreView:
         dts = {self.ckpt.dtype(k) for k in self.layout.tensors}
         self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
+
+    def dtype_names(self) -> set:
+        """The stored dtypes' names (torch's: core.lazy) of the model's keys."""
+        return {dtype_name(self.ckpt.dtype(k)) for k in self.layout.tensors}
 
     def names(self):
         return list(self.shapes)
@@ -320,7 +335,7 @@ class VllmView:
         problems = self._check_names()
         if problems:
             raise FormatError(f"{path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        check_weight_dtypes(path, self.cfg, ((f"{self.files[r]}: {n}", self.readers[r].dtype(n))
+        check_weight_dtypes(path, self.cfg, ((f"{self.files[r]}: {n}", self.readers[r].dtype_name(n))
                                              for r, tensors in enumerate(self.layout.ranks) for n in tensors))
         self.dtype = None
         self.hf_index = {}
@@ -372,6 +387,10 @@ class VllmView:
     def names(self):
         return list(self.shapes)
 
+    def dtype_names(self) -> set:
+        """The stored dtypes' names (torch's: core.lazy) of the tensors of every rank's file."""
+        return {self.readers[r].dtype_name(n) for r, tensors in enumerate(self.layout.ranks) for n in tensors}
+
     def rank_tensor(self, r: int, name: str, box: Box | None = None) -> torch.Tensor:
         return self.readers[r].read(name, box)
 
@@ -398,9 +417,22 @@ class VllmView:
         out = self._check_names() + self._stray_files()
         for r in range(self.par.world):
             for name, shape, dtype, value in self.layout.buffers:
-                t = self.readers[r].read(name)
-                if str(t.dtype) != "torch." + dtype or not torch.equal(t, torch.full(shape, value, dtype=t.dtype)):
-                    out.append(f"{self.files[r]}: {name} is {t.tolist()} ({t.dtype}), vLLM expects {value} ({dtype})")
+                h = self.readers[r]
+                got = h.dtype_name(name)
+                # the buffers are float32 scalars (converters/vllm_names.py): compared as numpy values, bit for
+                # bit, so that inspect needs no torch; a dtype numpy lacks (bf16) through torch
+                try:
+                    want = np.full(shape, value, dtype=np.dtype(got))
+                except TypeError:
+                    t = h.read(name)
+                    ok = torch.equal(t, torch.full(shape, value, dtype=t.dtype))
+                    stored = t.tolist()
+                else:
+                    raw = h.read_bytes(name)
+                    ok = raw == want.tobytes()
+                    stored = np.frombuffer(raw, dtype=want.dtype).reshape(shape).tolist()
+                if got != dtype or not ok:
+                    out.append(f"{self.files[r]}: {name} is {stored} (torch.{got}), vLLM expects {value} ({dtype})")
         return out
 
 

@@ -10,12 +10,11 @@ import functools
 import json
 import os
 
-import torch
-
 from converters.vllm_names import file_name
 
 from ..copy.destination import Destination
 from ..copy.plan import Op, Rec
+from ..core.lazy import torch
 from ..layout import LayoutError, VllmParallel, box_numel, boxes_disjoint_cover, numel
 from .hf import safetensors_files, side_files, tensor_bytes
 

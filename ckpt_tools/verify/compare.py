@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import json
 
-import torch
 from tqdm import tqdm
 
 from ..copy.plan import row_blocks
+from ..core.lazy import torch
 from ..dist.divide import divide
 from ..dist.ranks import Solo
 from ..formats.views import VllmView

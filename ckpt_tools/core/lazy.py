@@ -1,0 +1,48 @@
+"""torch, imported on first use: ``from ..core.lazy import torch``.
+
+``import torch`` costs 1.1-1.6 s warm on this machine (2-2.8 s after ``drop_caches``: ~310 MB of libraries;
+measured with ``python -X importtime``), most of what ``inspect`` and ``plan`` of a small checkpoint take. Those
+two read JSON headers, ``.metadata`` pickles (formats/safe_pickle.py, torch-free) and do layout arithmetic, so the
+modules on their path name torch through this proxy: the first attribute read (``torch.empty``,
+``torch.bfloat16``, ``isinstance(x, torch.Tensor)``) imports it, and a command that never reads one never pays.
+A module-level use would defeat it: module constants that need torch are built on first use instead.
+``tests/test_cli.py::test_inspect_and_plan_do_not_import_torch`` keeps those two commands torch-free.
+
+Dtypes in metadata (a safetensors header, a ``.metadata`` pickle) are kept by their torch *names*
+(``"bfloat16"``: :data:`ITEMSIZE`); :func:`torch_dtype` turns one into the torch dtype where tensors are made.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+
+# torch dtype name -> bytes per element (torch's own ``dtype.itemsize``; tests/test_cli.py checks the table
+# against it): the dtypes a checkpoint here may hold
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class _Lazy(types.ModuleType):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__dict__["_mod"] = None
+
+    def __getattr__(self, attr):
+        mod = self.__dict__["_mod"]
+        if mod is None:
+            mod = self.__dict__["_mod"] = importlib.import_module(self.__name__)
+        return getattr(mod, attr)
+
+
+torch = _Lazy("torch")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a name from :data:`ITEMSIZE` (``"bfloat16"`` -> ``torch.bfloat16``); a torch dtype
+    is returned as it is."""
+    return getattr(torch, name) if isinstance(name, str) else name
+
+
+def dtype_name(dt) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    return dt if isinstance(dt, str) else str(dt).replace("torch.", "")
