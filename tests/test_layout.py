@@ -44,3 +44,44 @@ def test_pp_without_stage_flags_must_divide():
     with pytest.raises(LayoutError, match="--pp"):
         MegatronParallel.build(94, pp=8)
     assert MegatronParallel.build(94, pp=8, layer_list=[11] + [12] * 6 + [11]).layers_per_stage[0] == 11
+
+
+def test_cover_fast_path_agrees_with_the_grid():
+    """boxes_disjoint_cover's one-dim fast path (_tile_one_dim: TP shards, row blocks) answers only True, and
+    only where the exact grid count does: random splits along one dim, with a gap, an overlap, a duplicate, a
+    box cut in a second dim, against a brute-force count of every element's covers."""
+    import random
+
+    import numpy as np
+
+    from ckpt_tools.layout.boxes import _tile_one_dim
+
+    rng = random.Random(7)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+        d = rng.randrange(len(shape))
+        cuts = sorted({0, shape[d], *(rng.randint(0, shape[d]) for _ in range(rng.randint(0, 3)))})
+        boxes = [tuple((a, b) if i == d else (0, n) for i, n in enumerate(shape)) for a, b in zip(cuts, cuts[1:])]
+        kind = rng.choice(["ok", "gap", "overlap", "dup", "second-dim"])
+        if kind == "gap" and len(boxes) > 1:
+            boxes.pop(rng.randrange(len(boxes)))
+        elif kind == "overlap" and shape[d] > 1:
+            a = rng.randrange(shape[d] - 1)
+            boxes.append(tuple((a, a + 2) if i == d else (0, n) for i, n in enumerate(shape)))
+        elif kind == "dup":
+            boxes.append(rng.choice(boxes))
+        elif kind == "second-dim" and len(shape) > 1 and shape[(d + 1) % len(shape)] > 1:
+            e = (d + 1) % len(shape)
+            b = list(boxes.pop(0))
+            b[e] = (0, shape[e] - 1)
+            boxes += [tuple(b), tuple((shape[e] - 1, shape[e]) if i == e else x for i, x in enumerate(b))]
+        rng.shuffle(boxes)
+        count = np.zeros(shape, dtype=np.int32)
+        for b in boxes:
+            count[tuple(slice(a, z) for a, z in b)] += 1
+        truth = bool((count == 1).all())
+        assert boxes_disjoint_cover(boxes, shape)[0] == truth, (shape, boxes)
+        assert not _tile_one_dim(boxes, shape) or truth, (shape, boxes)
+        seen[truth] += 1
+    assert min(seen.values()) > 50, seen  # both answers exercised

@@ -24,7 +24,10 @@ def box_shape(b: Box) -> tuple:
 
 
 def box_numel(b: Box) -> int:
-    return math.prod(s1 - s0 for s0, s1 in b)
+    n = 1  # (a plain loop: half the time of math.prod over a generator; the sync's 235B schedule calls it ~4M times)
+    for s0, s1 in b:
+        n *= s1 - s0
+    return n
 
 
 def numel(shape) -> int:
@@ -35,7 +38,8 @@ def numel(shape) -> int:
 def box_intersect(a: Box, b: Box):
     out = []
     for (a0, a1), (b0, b1) in zip(a, b):
-        lo, hi = max(a0, b0), min(a1, b1)
+        lo = a0 if a0 > b0 else b0  # (not max/min: half the time; ~2M calls for the 235B sync schedule)
+        hi = a1 if a1 < b1 else b1
         if lo >= hi:
             return None
         out.append((lo, hi))
@@ -65,6 +69,8 @@ def boxes_disjoint_cover(boxes: Sequence[Box], shape: Sequence[int]) -> tuple[bo
     for b in boxes:
         if len(b) != len(shape) or any(s0 < 0 or s1 > n or s0 >= s1 for (s0, s1), n in zip(b, shape)):
             return False, f"box {b} outside shape {shape}"
+    if _tile_one_dim(boxes, shape):
+        return True, "ok"
     cuts = []
     for d, n in enumerate(shape):
         pts = {0, n}
@@ -87,6 +93,28 @@ def boxes_disjoint_cover(boxes: Sequence[Box], shape: Sequence[int]) -> tuple[bo
     cell = np.argwhere(count != 1)[0]
     where = tuple(cuts[d][i] for d, i in enumerate(cell))
     return False, f"{gaps} uncovered and {over} multiply covered regions (first at offset {where})"
+
+
+def _tile_one_dim(boxes: Sequence[Box], shape: tuple) -> bool:
+    """The common case of :func:`boxes_disjoint_cover` without its grid (a tensor split along one dim: TP shards,
+    row blocks): True when the boxes (inside ``shape``) are whole but along one dim, where their extents, sorted,
+    follow each other from 0 to its end - which tiles the tensor exactly once. False: not that case, or not
+    tiling (the grid then decides, and says where)."""
+    dim = None
+    for b in boxes:
+        for d, ((s0, s1), n) in enumerate(zip(b, shape)):
+            if s0 or s1 != n:
+                if dim is not None and dim != d:
+                    return False
+                dim = d
+    if dim is None:
+        return len(boxes) == 1
+    pos = 0
+    for s0, s1 in sorted(b[dim] for b in boxes):
+        if s0 != pos:
+            return False
+        pos = s1
+    return pos == shape[dim]
 
 
 @dataclass(frozen=True)

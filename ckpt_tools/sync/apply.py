@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layout import box_numel, box_slices
+from .delta import INT_OF_SIZE
 
 
 def _strides(shape) -> list:
@@ -205,8 +206,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> int | None:
     x, y = a.detach().reshape(-1), b.detach().reshape(-1)
     if x.numel() == 0:
         return None
-    if x.element_size() in (1, 2, 4, 8):
-        kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    kind = INT_OF_SIZE.get(x.element_size())
+    if kind is not None:
         x, y = x.view(kind), y.view(kind)
     diff = (x != y).nonzero()
     return int(diff[0]) if diff.numel() else None

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..layout import box_numel
-from .schedule import ChunkIndex
 
 # Bandwidth assumptions for `plan --sync` (per device, one direction, GB/s = 1e9 bytes/s): intra-node
 # NVLink / HCCS-class 100 GB/s (Ascend 910B HCCS: 56 GB/s per link, 7 links; H100 NVLink: 450 GB/s), inter-node
@@ -158,7 +157,7 @@ def gather_all_figures(schedule, intra_gbps=INTRA_GBPS, inter_gbps=INTER_GBPS,
     node = schedule.node
     held = defaultdict(int)
     units = {}  # (key, lead) -> [(chunk, bytes)]: one parameter of one layer (and expert)
-    for u, cs in ChunkIndex(schedule.mlayout).by_unit.items():
+    for u, cs in schedule.source.by_unit.items():
         units[u] = [(c, box_numel(c.box) * elem) for c in cs]
         for c, nb in units[u]:
             for h in c.holders:

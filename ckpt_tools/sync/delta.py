@@ -21,7 +21,7 @@ import torch
 DENSE, BITMAP, INDEX = 0, 1, 2
 NAMES = {DENSE: "dense", BITMAP: "bitmap", INDEX: "index"}
 HEADER_BYTES = 16
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> its bits' dtype
 
 
 def sender_encode(new: torch.Tensor, old: torch.Tensor | None, copy: bool = False, scratch: dict | None = None):
@@ -80,7 +80,7 @@ def changed(new: torch.Tensor, old: torch.Tensor, scratch: dict | None = None) -
     at a time first (4 bf16 elements per int64 word: a quarter of the elements for the positions pass, which costs
     most), then element by element inside the words that differ only. ``scratch`` (a dict kept by the caller):
     the word mask is written into a reused buffer (a fresh one per message costs page faults on a CPU)."""
-    it = _INT[new.element_size()]
+    it = INT_OF_SIZE[new.element_size()]
     a, b = new.view(it), old.view(it)
     per = 8 // new.element_size()
     n = a.numel()
@@ -151,7 +151,7 @@ def _encode(new, idx, mode):
 
 def decode(payload: torch.Tensor, mode: int, n: int, k: int, dtype: torch.dtype):
     """(positions int64, values) of a BITMAP / INDEX payload."""
-    e = torch.empty((), dtype=dtype).element_size()
+    e = dtype.itemsize
     if mode == INDEX:
         idx = payload[:4 * k].view(torch.int32).to(torch.int64)
         vals = payload[4 * k:4 * k + k * e]
