@@ -262,8 +262,8 @@ def test_a_wrong_vllm_buffer_value_is_reported(outputs, tmp_path, capsys):
     set to 2.0 is named by inspect with its value (and the manifest flags the changed bytes in verify)."""
     from ckpt_tools.formats.hf import HFReader
 
-    bad = str(tmp_path / "vl")
-    shutil.copytree(outputs["vllm"], bad)
+    bad = str(tmp_path / "vl")  # vLLM 0.32's names (the default follows the installed vLLM; 0.10.1 has no buffers)
+    convert.reshard(outputs["src"], bad, tp=2, vllm_version="0.32.0", progress=False)
     fn = "model-rank-1-part-0.safetensors"
     name = "model.layers.1.self_attn.attn._k_scale"
     fp, off, shape, dt = HFReader(bad, only=fn)._rec_args[name]
