@@ -6,7 +6,7 @@ two read JSON headers, ``.metadata`` pickles (formats/safe_pickle.py, torch-free
 modules on their path name torch through this proxy: the first attribute read (``torch.empty``,
 ``torch.bfloat16``, ``isinstance(x, torch.Tensor)``) imports it, and a command that never reads one never pays.
 A module-level use would defeat it: module constants that need torch are built on first use instead.
-``tests/test_cli.py::test_inspect_and_plan_do_not_import_torch`` keeps those two commands torch-free.
+``tests/test_trust_integrity.py::test_inspect_and_plan_import_no_torch`` keeps those two commands torch-free.
 
 Dtypes in metadata (a safetensors header, a ``.metadata`` pickle) are kept by their torch *names*
 (``"bfloat16"``: :data:`ITEMSIZE`); :func:`torch_dtype` turns one into the torch dtype where tensors are made.
@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 import types
 
-# torch dtype name -> bytes per element (torch's own ``dtype.itemsize``; tests/test_cli.py checks the table
-# against it): the dtypes a checkpoint here may hold
+# torch dtype name -> bytes per element (torch's own ``dtype.itemsize``; tests/test_layers.py::test_dtype_names_are_torchs
+# checks the table against it): the dtypes a checkpoint here may hold
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 

@@ -33,9 +33,6 @@ from .hf import HFError, HFReader
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name: ``{weight name}_scale_inv``
 
 
-_dt = dtype_name
-
-
 def block_scheme(q, where: str) -> tuple[str, tuple[int, int]]:
     """(stored FP8 dtype's name, (block rows, block columns)) from a ``quantization_config``; one line otherwise."""
     if not isinstance(q, dict):
@@ -84,15 +81,15 @@ class BlockScaledReader(HFReader):
             sk = self.scale_of.get(k)
             if sk is None:
                 if dt.startswith("float") and ITEMSIZE[dt] == 1:
-                    raise HFError(f"{path}: {k} is stored as {_dt(dt)} without its scale {k}{SCALE_SUFFIX}: its "
+                    raise HFError(f"{path}: {k} is stored as {dtype_name(dt)} without its scale {k}{SCALE_SUFFIX}: its "
                                   f"values are unknown (a missing scale)")
                 continue
             _, sshp, sdt = stored[sk]
             if ITEMSIZE[dt] != 1:
-                raise HFError(f"{path}: {sk} is a block scale, but {k} is stored as {_dt(dt)}, not as 1-byte FP8")
+                raise HFError(f"{path}: {sk} is a block scale, but {k} is stored as {dtype_name(dt)}, not as 1-byte FP8")
             if dt != self.fp8_dtype:
-                raise HFError(f"{path}: {k} is stored as {_dt(dt)}, but quantization_config.fmt says "
-                              f"{_dt(self.fp8_dtype)}")
+                raise HFError(f"{path}: {k} is stored as {dtype_name(dt)}, but quantization_config.fmt says "
+                              f"{dtype_name(self.fp8_dtype)}")
             if len(shp) != 2:
                 raise HFError(f"{path}: {k} has a block scale but shape {list(shp)}: only 2-D weights are "
                               f"block-scaled")
@@ -101,7 +98,7 @@ class BlockScaledReader(HFReader):
                 raise HFError(f"{path}: {sk} has shape {list(sshp)}; {k} of shape {list(shp)} in {bm}x{bn} blocks "
                               f"needs {list(want)} (a mis-shaped scale)")
             if sdt != "float32":
-                raise HFError(f"{path}: {sk} is stored as {_dt(sdt)}, not float32")
+                raise HFError(f"{path}: {sk} is stored as {dtype_name(sdt)}, not float32")
         self.stored = stored
         self.meta = {k: (fn, shp, "bfloat16" if k in self.scale_of else dt)
                      for k, (fn, shp, dt) in stored.items() if not k.endswith(SCALE_SUFFIX)}
@@ -131,7 +128,7 @@ class BlockScaledReader(HFReader):
         """What ``inspect`` says: how many tensors are FP8, which (names with layer / expert numbers as ``*``),
         the block size and the format."""
         pats = Counter(re.sub(r"(?<=\.)\d+(?=\.)", "*", n) for n in self.scale_of)
-        return {"tensors": len(self.scale_of), "of": len(self.meta), "dtype": _dt(self.fp8_dtype),
+        return {"tensors": len(self.scale_of), "of": len(self.meta), "dtype": dtype_name(self.fp8_dtype),
                 "block": list(self.block), "scale": f"float32 {{name}}{SCALE_SUFFIX}", "read_as": "bfloat16",
                 "which": dict(sorted(pats.items()))}
 

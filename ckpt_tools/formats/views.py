@@ -77,7 +77,7 @@ def widest(dtypes) -> torch.dtype | None:
         kind = [torch_dtype(n) for n in names]
         if ds <= set(kind):
             return next(c for c in kind if all(_holds(c, d) for d in ds))
-    raise FormatError(f"tensors of dtypes {', '.join(sorted(str(d).replace('torch.', '') for d in ds))} fused "
+    raise FormatError(f"tensors of dtypes {', '.join(sorted(dtype_name(d) for d in ds))} fused "
                       f"into one: no dtype holds them all exactly (a mix of floats and integers?)")
 
 
@@ -86,7 +86,7 @@ def check_weight_dtypes(path: str, cfg: ModelConfig, dtypes):
     store weights in (converters/<family>.py ``WEIGHT_DTYPES``) is refused in one line naming the tensor."""
     allowed = converters.get(cfg.model_type).WEIGHT_DTYPES
     for name, dt in dtypes:
-        got = str(dt).replace("torch.", "")
+        got = dtype_name(dt)
         if got not in allowed:
             said = cfg.raw.get("torch_dtype") if isinstance(cfg.raw, dict) else None
             raise FormatError(f"{path}: {name} is stored as {got}, not a dtype {cfg.model_type} weights are stored "

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from ..core import numbers
+from ..core.lazy import dtype_name
 from ..layout import LayoutError, VllmParallel
 from ..sync.comm import SyncError
 
@@ -44,10 +43,10 @@ def bucket_bytes(dtype) -> int:
     of MiB, at least one element of the sync's ``dtype`` (a smaller bucket could hold nothing: the schedule needs
     >= 1 byte); one-line SyncError naming the variable otherwise."""
     mb = numbers.env("CKPT_TOOLS_SYNC_BUCKET_MB", 256, numbers.POSITIVE, SyncError)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     if mb * 2 ** 20 < elem:
         raise SyncError(f"{BUCKET_MB}={os.environ.get(BUCKET_MB)!r} must be at least {elem / 2 ** 20:.3g} "
-                        f"(MiB: one {str(dtype).replace('torch.', '')} element, {elem} bytes)")
+                        f"(MiB: one {dtype_name(dtype)} element, {elem} bytes)")
     return int(mb * 2 ** 20)
 
 

@@ -13,7 +13,7 @@ import json
 from tqdm import tqdm
 
 from ..copy.plan import row_blocks
-from ..core.lazy import torch
+from ..core.lazy import dtype_name, torch
 from ..dist.divide import divide
 from ..dist.ranks import Solo
 from ..formats.views import VllmView
@@ -180,7 +180,7 @@ def _finish(row, cmps, allow_cast, zeros_ok=True):
     cast = [c for c in cmps if c.cast]
     if cast and not allow_cast:
         c = cast[0]
-        row.update(equal=False, why=f"dtype {str(c.da).replace('torch.', '')} vs {str(c.db).replace('torch.', '')} "
+        row.update(equal=False, why=f"dtype {dtype_name(c.da)} vs {dtype_name(c.db)} "
                                     f"(a cast; --allow-cast compares the values)")
         return
     row["equal"] = zeros_ok and all(c.equal for c in cmps)
