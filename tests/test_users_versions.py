@@ -7,14 +7,21 @@ import dataclasses
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import types
 
+import pytest
 import torch
 import torch.distributed.checkpoint.metadata as dcp_md
 
+import converters
 from ckpt_tools import cli
 from ckpt_tools.convert import driver
-from ckpt_tools.formats.torch_dist import DCP_VERSION, build_metadata
+from ckpt_tools.formats import dcp_stand_ins as stand_ins
+from ckpt_tools.formats.torch_dist import DCP_VERSION, TorchDistDestination, build_metadata, dcp
+from ckpt_tools.layout import MegatronLayout, MegatronParallel
+from ckpt_tools.layout.model_config import config_from_dict
 
 
 def _torch_271_metadata():
@@ -61,6 +68,48 @@ def test_metadata_on_a_torch_without_a_version_field_pickles_as_on_torch_2_13():
     assert pickle.loads(pickle.dumps(md_now)).version == DCP_VERSION
 
 
+@pytest.mark.parametrize("family", [f.__name__.split(".")[-1] for f in converters.families()])
+def test_metadata_stand_ins_pickle_as_torchs_classes(family):
+    """hf2mcore writes ``.metadata`` from stand-ins of torch DCP's classes, without importing
+    torch.distributed.checkpoint (~0.6 s): the bytes must be those torch's own classes give, for every family's
+    layout (per-layer keys of mixed dense/MoE models, the fp32 router bias, MTP, ``_extra_state`` objects), at
+    several topologies; on this lane's torch (2.13 in the main lane, 2.7.1 in the users' lane)."""
+    cfg = config_from_dict(dict(getattr(converters, family).TINY))
+    assert stand_ins.usable(), torch.__version__
+    for topo in (dict(), dict(tp=2, ep=2 if cfg.experts else 1), dict(pp=2, tp=2)):
+        par = MegatronParallel.build(cfg.layers, **topo)
+        layout = MegatronLayout(cfg, "te", par)
+        layout.validate()
+        dest = TorchDistDestination(layout, None, torch.bfloat16)
+        fixed = {k: getattr(torch, ts.dtype) for k, ts in layout.tensors.items() if ts.dtype}  # the router bias
+        dest.key_dtype = lambda k: fixed.get(k, torch.bfloat16)
+        ours = dest.prepare()[".metadata"]
+        real = pickle.dumps(dest._metadata(dcp(), None))
+        assert ours == real, (family, topo)
+        assert stand_ins.dumps(pickle.loads(real)) is None  # torch's classes are not stand-ins: nothing replaced
+    # a key that reads like a stand-in's module name (it would be replaced too): refused, torch's classes are used
+    md = stand_ins.Metadata(storage_meta=stand_ins.new_storage_meta())
+    md.storage_data = {stand_ins.MetadataIndex("w"): stand_ins._StorageInfo("f", 0, 1)}
+    assert stand_ins.dumps(md) is not None
+    md.mcore_data = {stand_ins.__name__ + ".meta": {}}  # equal to the module's name, another str object
+    assert stand_ins.dumps(md) is None
+
+
+def test_hf2mcore_imports_no_dcp(tiny_hf_bf16, tmp_path):
+    """hf2mcore (a fresh process) never imports torch.distributed.checkpoint; megatron-core still loads what it
+    wrote (tests/test_megatron_reference.py), and its .metadata is torch's pickle (the test above)."""
+    out = str(tmp_path / "mc")
+    code = ("import sys; from ckpt_tools import cli; rc = cli.main(['hf2mcore', '--hf', sys.argv[1], '--out', "
+            "sys.argv[2], '--tp', '2', '--no-progress']); "
+            "print(rc, sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))")
+    r = subprocess.run([sys.executable, "-c", code, tiny_hf_bf16, out], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "0 []", r.stdout[-2000:]
+    with open(os.path.join(out, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # torch's own classes
+    assert isinstance(md, dcp_md.Metadata) and md.version == DCP_VERSION
+
+
 def test_a_torch_whose_metadata_lacks_a_field_fails_before_any_byte_is_staged(tiny_hf_bf16, tmp_path, monkeypatch,
                                                                                capsys):
     """Everything the finish writes is built before staging: a torch whose DCP Metadata lacks ``storage_meta`` is
@@ -73,6 +122,7 @@ def test_a_torch_whose_metadata_lacks_a_field_fails_before_any_byte_is_staged(ti
         storage_data: object = None
 
     monkeypatch.setattr(dcp_md, "Metadata", Metadata)
+    monkeypatch.setattr(stand_ins, "usable", lambda: False)  # a torch the stand-ins are not for: torch's classes
     started = []
     real_copy = driver.copy
     monkeypatch.setattr(driver, "copy", lambda *a, **k: started.append(1) or real_copy(*a, **k))

@@ -112,9 +112,6 @@ def _main(argv) -> int:
             signal.signal(s, h)
         for stream, errors in streams:
             stream.reconfigure(errors=errors)
-        for t in threading.enumerate():  # exiting while torch DCP imports in the background aborts (SIGABRT)
-            if t.name == "import-dcp":
-                t.join(timeout=120)
 
 
 def _safe_streams() -> list:

@@ -27,6 +27,7 @@ from ..copy.plan import Op, Rec, map_sub
 from ..core.errors import InputError
 from ..core.lazy import torch
 from ..layout import box_intersect, box_numel, box_shape, box_shift
+from . import dcp_stand_ins as stand_ins
 
 SIDE_CAR = "ckpt_tools.json"  # hf2mcore / reshard --to mcore: how the checkpoint was written (not in the manifest)
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -39,7 +40,7 @@ class DistCkptError(InputError):
 
 def dcp():
     """torch.distributed.checkpoint's metadata classes, imported on first use: the package pulls in DTensor
-    and sympy (~0.8 s), so hf2mcore starts importing it in the background and copies meanwhile."""
+    and sympy (~0.6 s); the writer needs them only where its stand-ins do not apply (dcp_stand_ins.py)."""
     # lazy: the documented start-up cost above (measured: 0.7 s on top of torch here)
     from torch.distributed.checkpoint import metadata
     from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -73,12 +74,6 @@ def build_metadata(m, sdm: dict, storage_data: dict):
                     storage_meta=m.StorageMeta())
     md.version = DCP_VERSION
     return md
-
-
-def dcp_background() -> threading.Thread:
-    t = threading.Thread(target=dcp, daemon=True, name="import-dcp")
-    t.start()
-    return t
 
 
 def _save_bytes(obj) -> bytes:
@@ -179,7 +174,6 @@ class TorchDistDestination(Destination):
         self.layout, self.source, self.side_car = layout, source, side_car
         self.key_dtype = key_dtype = dtype if callable(dtype) else (lambda _key: dtype)
         self.manifest_skip = (SIDE_CAR,) if side_car is not None else ()
-        dcp_background()
         self.chunks = chunks = layout.chunks()  # validates the topology before anything is written
         # processing order = source order: by where the first HF tensor of the chunk's (key, layer[, expert])
         # lives in the source (file, offset), then by the chunk's box (TP ranks of one tensor side by side)
@@ -244,10 +238,26 @@ class TorchDistDestination(Destination):
     durable = (".metadata",)
 
     def prepare(self) -> dict:
-        """``.metadata`` (DCP classes of the running torch: :func:`build_metadata`), ``common.pt``,
-        ``metadata.json`` and the side car, as bytes, before the copy."""
+        """``.metadata``, ``common.pt``, ``metadata.json`` and the side car, as bytes, before the copy. ``.metadata``
+        is built from stand-ins of torch DCP's classes (:mod:`ckpt_tools.formats.dcp_stand_ins`: the same bytes,
+        without importing torch.distributed.checkpoint) on the torches they match, else from the running torch's
+        own classes (:func:`build_metadata`)."""
+        md = None
+        if stand_ins.usable():
+            md = stand_ins.dumps(self._metadata(stand_ins, stand_ins.Metadata(storage_meta=stand_ins.new_storage_meta())))
+        if md is None:
+            m = dcp()
+            md = pickle.dumps(self._metadata(m, None))
+        out = {"common.pt": _save_bytes({}),  # bytes written with os calls, not torch.save(path): ENOSPC is exit 3
+               "metadata.json": json.dumps(METADATA_JSON).encode(), ".metadata": md}
+        if self.side_car is not None:
+            out[SIDE_CAR] = json.dumps(self.side_car, indent=1).encode()
+        return out
+
+    def _metadata(self, m, md):
+        """The DCP ``Metadata`` of this checkpoint from the classes of ``m`` (torch's module, or the stand-ins with
+        ``md`` their empty ``Metadata``: filled in here as :func:`build_metadata` fills torch's)."""
         layout, key_dtype = self.layout, self.key_dtype
-        m = dcp()
         sdm = {}
         TensorStorageMetadata, TensorProperties, ChunkStorageMetadata = \
             m.TensorStorageMetadata, m.TensorProperties, m.ChunkStorageMetadata
@@ -263,13 +273,12 @@ class TorchDistDestination(Destination):
                                 f"{len(self.chunks) + len(layout.objects)}")
         storage_data = {m.MetadataIndex(k, None if off is None else torch.Size(off)): m._StorageInfo(*v)
                         for (k, off), v in self.storage.items()}
-        md = build_metadata(m, sdm, storage_data)
+        if md is None:
+            md = build_metadata(m, sdm, storage_data)
+        else:
+            md.state_dict_metadata, md.storage_data, md.version = sdm, storage_data, DCP_VERSION
         md.mcore_data = {k: {} for k in layout.tensors}
-        out = {"common.pt": _save_bytes({}),  # bytes written with os calls, not torch.save(path): ENOSPC is exit 3
-               "metadata.json": json.dumps(METADATA_JSON).encode(), ".metadata": pickle.dumps(md)}
-        if self.side_car is not None:
-            out[SIDE_CAR] = json.dumps(self.side_car, indent=1).encode()
-        return out
+        return md
 
     def summary(self) -> dict:
         return {"files": len(self.files), "chunks": len(self.chunks), "objects": len(self.layout.objects),
