@@ -80,7 +80,7 @@ def _convert(g, job: Job, opts: Options, error):
         view, check = checked_source(job.source, job.open_source, job.label)
     dest = job.destination(view)
     _check_complete(job, view, dest, error)  # before staging: no output that drops a tensor, or holds none
-    finals = None if os.environ.get('CKPT_DEFER') else dest.prepare()
+    finals = dest.prepare()  # before staging: what the finish needs, built and so validated now
     g.agree("output plans", {"--out": os.path.abspath(job.out),  # by path: a rank in another directory is named
                              "files": fingerprint(job.label, sorted(dest.files.items()), dest.total)})
     g.agree("--divide", opts.divide)  # in the command line already; the Python API has no command line
@@ -104,7 +104,7 @@ def _convert(g, job: Job, opts: Options, error):
         _check_written(tmp, items, owner, parts, g.world)  # every rank, from the same reports: the same verdict
 
         def finish():
-            dest.finish(tmp, finals if finals is not None else dest.prepare())
+            dest.finish(tmp, finals)
             write_manifest(tmp, [h for p in parts for h in p["hashes"]], skip=dest.manifest_skip)
             publish(tmp, job.out, error)
 
