@@ -257,6 +257,23 @@ def test_inspect_and_plan_import_no_torch(outputs):
     assert "format: vllm" in r.stdout and "integrity: ok" in r.stdout and "vLLM TP2" in r.stdout, r.stdout
 
 
+def test_the_cli_imports_torch_with_the_collector_paused_and_freezes_it(outputs):
+    """Issue 34: the console script (``main()``: this process is ours) imports torch with the cyclic collector
+    paused and then freezes what the import made (``gc.freeze``: later full collections skip torch's ~170k objects;
+    start-up of inspect / mcore2hf / hf2mcore 1.9-2.0 s -> 1.2-1.4 s, scripts/startup_ab.py); the collector is on
+    again afterwards. Library use (``main([...])``, the lazy proxy) imports torch with the collector paused too,
+    but never freezes the caller's objects."""
+    probe = ("import gc, sys\nfrom ckpt_tools.cli.entry import _main\n{call}\n"
+             "print('STATE', rc, 'torch' in sys.modules, gc.isenabled(), gc.get_freeze_count() > 0)\n")
+    ours = ("sys.argv = ['ckpt-tools', 'inspect', %r, '--hf-config', %r]\nrc = _main(None)"
+            % (outputs["mcore"], outputs["src"]))
+    lib = "rc = _main(['inspect', %r, '--hf-config', %r])" % (outputs["mcore"], outputs["src"])
+    for call, frozen in ((ours, True), (lib, False)):
+        r = subprocess.run([sys.executable, "-c", probe.format(call=call)], capture_output=True, text=True,
+                           cwd=ROOT)
+        assert f"STATE 0 True True {frozen}" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_wrong_vllm_buffer_value_is_reported(outputs, tmp_path, capsys):
     """The attention scale buffers vLLM 0.32 loads (float32 1.0) are compared without torch, bit for bit: one
     set to 2.0 is named by inspect with its value (and the manifest flags the changed bytes in verify)."""

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 
+from ..core import lazy
 from ..core.errors import IntegrityError, Terminated, describe_oserror, exit_code
 from ..core.show import PRINT_ERRORS, show
 from ..dist import ranks as distributed
@@ -34,7 +35,7 @@ def _quiet_c10d():
         return
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
-        import torch  # noqa: F401 - lazy: loads libc10 under the level above (see the module docstring)
+        lazy.import_torch()  # loads libc10 under the level above (see the module docstring); collector paused
     finally:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
+    lazy.FREEZE = argv is None  # the console script: this process is ours (core/lazy.py import_torch)
     args = build_parser().parse_args(argv)
     flag = empty_path(args)
     if flag:  # (a message would print an empty path, or a relative lookup would use the working directory)
