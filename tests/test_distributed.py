@@ -147,6 +147,29 @@ def test_a_rank_started_with_other_flags_is_refused_before_any_byte(tiny_hf_bf16
     assert os.listdir(tmp_path) == []  # not even a lock
 
 
+def test_rank_0_stays_until_the_others_have_their_own_verdict(tiny_hf_bf16, tmp_path):
+    """Rank 0 hosts the store: after a refused agreement it stays until the others have left. Rank 1 is held
+    right after posting its arguments (rank 0 reads both and refuses at once); without the stay rank 0 exited,
+    taking the store along, and rank 1 reported "lost the job's store" (exit 4; seen once the start-up got faster)
+    instead of its own verdict (exit 2)."""
+    out = str(tmp_path / "mc")
+    fifo = str(tmp_path / "hold")
+    os.mkfifo(fifo)
+    argv = ["hf2mcore", "--hf", tiny_hf_bf16, "--out", out, *TOPO, *QUIET]
+    other = argv[:argv.index("--tp") + 1] + ["1"] + argv[argv.index("--tp") + 2:]
+    procs = _launch(2, lambda r: other if r == 1 else argv, free_port(),
+                    lambda r: {"CKPT_TOOLS_TEST_HOLD": f"agree-posted:{fifo}"} if r == 1 else {})
+    with open(fifo, "wb"):  # rank 1 waits at the hold point, its arguments posted
+        with pytest.raises(subprocess.TimeoutExpired):  # rank 0 has refused (or will) and stays
+            procs[0].wait(timeout=5)
+    for r, p in enumerate(procs):
+        rc, err = p.wait(timeout=300), p.communicate()[1]
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 2, (r, rc, err)
+        assert len(lines) == 1 and "rank 1 was started with other arguments than rank 0" in lines[0], err
+    assert sorted(os.listdir(tmp_path)) == ["hold"]
+
+
 def test_distributed_verify_reports_a_flipped_byte_once(tiny_hf_bf16, tmp_path):
     mc = str(tmp_path / "mc")
     _cli(["hf2mcore", "--hf", tiny_hf_bf16, "--out", mc, *TOPO, "--no-progress"])

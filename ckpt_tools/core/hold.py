@@ -12,7 +12,8 @@ def hold_point(point: str):
     reads it to EOF, so a test holds it there for exactly as long as it keeps the FIFO's write end open (no
     sleeps). Points: ``staged`` (OUT locked, ``OUT.partial-PID`` created), ``data-written`` (torch_dist: every
     chunk written, before ``common.pt`` / ``.metadata``), ``moved-aside`` (``--overwrite``: the old OUT just
-    moved to ``OUT.old-PID/prev``, the new one not yet renamed into place)."""
+    moved to ``OUT.old-PID/prev``, the new one not yet renamed into place), ``agree-posted`` (under torchrun: this
+    rank's value of an agreement posted, the others' not read yet)."""
     spec = os.environ.get(TEST_HOLD)
     if spec and spec.partition(":")[0] == point:
         with open(spec.partition(":")[2], "rb", buffering=0) as f:

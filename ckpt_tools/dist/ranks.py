@@ -34,6 +34,7 @@ import time
 
 from ..core import numbers
 from ..core.errors import InputError, PeerFailed
+from ..core.hold import hold_point
 from ..core.host import boot_id as _boot_id
 from .store import SmallRequests
 
@@ -283,9 +284,18 @@ class Group:
             return [None] * self.world
         return [v.decode() for v in self.store.multi_get(keys)]
 
-    def _wait(self, name: str, ranks, what: str, deadline: bool = True) -> list:
+    def _wait(self, name: str, ranks, what: str, deadline: bool = True, hold: str = "") -> list:
         """The values ``ranks`` posted under ``name``, waiting for them (``deadline``: at most ``timeout``
         seconds; else as long as they are alive: the watcher's heartbeat ends the wait when one is not)."""
+        self._in_wait = True  # (see _abort)
+        try:
+            if hold:
+                hold_point(hold)
+            return self._wait_loop(name, ranks, what, deadline)
+        finally:
+            self._in_wait = False
+
+    def _wait_loop(self, name: str, ranks, what: str, deadline: bool) -> list:
         keys = [self._k(name, r) for r in ranks]
         end = time.monotonic() + self.timeout
         pause = 0.005
@@ -377,7 +387,7 @@ class Group:
         self._steps += 1
         name = f"agree{self._steps}"
         self._post(name, value)
-        vals = self._wait(name, range(self.world), what)
+        vals = self._wait(name, range(self.world), what, hold="agree-posted")
         for r, v in enumerate(vals):
             if v != vals[0]:
                 raise InputError(f"rank {r} was started with other {what} than rank 0: {_diff(v, vals[0])}; "
@@ -434,9 +444,12 @@ class Group:
             self._raised = True
             raise PeerFailed(self.reason)
 
+    _in_wait = False  # the main thread is in _wait: it reads the failure record itself, after the step's values
     def _abort(self, reason: str):
+        """The watcher's news interrupts the main thread, unless it waits on a step (its loop reads the record
+        itself, after the step's values: a refused ``agree`` is every rank's own verdict, exit 2)."""
         self.reason = self.reason or reason
-        if self._old_handler is not None:
+        if self._old_handler is not None and not self._in_wait:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
 
     def _dead(self, r: int) -> bool:
@@ -484,16 +497,30 @@ class Group:
                 return
 
     def finish(self):
-        """Leave: tell the watchers we are done (our heartbeat stopped first, so nothing overwrites the BYE);
-        rank 0 (which may host the store) waits for every rank's BYE."""
+        """Leave: BYE to the watchers (our heartbeat stopped first); rank 0 (which may host the store) waits for
+        every rank's BYE, or a failure record (published: nothing left to stop)."""
+        self._leave(failed=False)
+
+    def leave_failed(self):
+        """After a failure (recorded): BYE; rank 0 (which may host the store) stays until every rank that had
+        started has left or is gone (at most ``timeout``, as :meth:`finish`): a peer still reading a refused
+        ``agree`` would lose the store (exit 4) instead of giving its own verdict (exit 2). Never raises."""
+        try:
+            self._leave(failed=True)
+        except Exception:  # noqa: BLE001 - the store is gone already: nobody to wait for
+            pass
+
+    def _leave(self, failed: bool):
         self._stop_watch()
         self.store.set(f"beat/{self.rank}", BYE)
-        if self.lead_rank:
-            end = time.monotonic() + self.timeout
-            while time.monotonic() < end and not self.store.check(["fail"]):  # published: nothing left to stop
-                if all(b == BYE or self._dead(r) for r, b in enumerate(self._beats())):
-                    break
-                time.sleep(0.02)
+        if not self.lead_rank:
+            return
+        end = time.monotonic() + self.timeout
+        started = [r for r in range(self.world) if r != self.rank and self.store.check([f"beat/{r}"])]
+        while time.monotonic() < end and (failed or not self.store.check(["fail"])):
+            if all(self.store.get(f"beat/{r}").decode() == BYE or self._dead(r) for r in started):
+                break
+            time.sleep(0.02)
 
 
 def _diff(a, b) -> str:
@@ -522,6 +549,7 @@ def join(timeout: float | None = None) -> Group | None:
         g.agree("arguments", ARGV if ARGV is not None else sys.argv[1:])
     except BaseException as e:
         g.failed(e)
+        g.leave_failed()
         g.close()
         raise
     return g
@@ -540,6 +568,7 @@ def on_ranks(fn, timeout=None):
         if g is not None:
             g.unwinding()
             g.failed(e)
+            g.leave_failed()
         raise
     finally:
         if g is not None:
