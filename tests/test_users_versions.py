@@ -84,12 +84,11 @@ def test_metadata_stand_ins_pickle_as_torchs_classes(family):
         fixed = {k: getattr(torch, ts.dtype) for k, ts in layout.tensors.items() if ts.dtype}  # the router bias
         dest.key_dtype = lambda k: fixed.get(k, torch.bfloat16)
         ours = dest.prepare()[".metadata"]
-        real = pickle.dumps(dest._metadata(dcp(), None))
+        real = pickle.dumps(dest._metadata(dcp()))
         assert ours == real, (family, topo)
         assert stand_ins.dumps(pickle.loads(real)) is None  # torch's classes are not stand-ins: nothing replaced
     # a key that reads like a stand-in's module name (it would be replaced too): refused, torch's classes are used
-    md = stand_ins.Metadata(storage_meta=stand_ins.new_storage_meta())
-    md.storage_data = {stand_ins.MetadataIndex("w"): stand_ins._StorageInfo("f", 0, 1)}
+    md = build_metadata(stand_ins, {}, {stand_ins.MetadataIndex("w"): stand_ins._StorageInfo("f", 0, 1)})
     assert stand_ins.dumps(md) is not None
     md.mcore_data = {stand_ins.__name__ + ".meta": {}}  # equal to the module's name, another str object
     assert stand_ins.dumps(md) is None

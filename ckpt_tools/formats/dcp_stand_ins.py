@@ -48,16 +48,19 @@ def _cls(mod, name, body=None):
     return c
 
 
-def _fields(*names):
+def _fields(*names, factories=None):
+    """A dataclass-like ``__init__`` over ``names`` (None by default, or ``factories[name]()``), and ``FIELDS``."""
+    factories = factories or {}
+
     def __init__(self, *args, **kw):
         d = self.__dict__
         for n, v in zip(names, args):
             d[n] = v
         for n in names[len(args):]:
-            d[n] = kw.pop(n, None)
+            d[n] = kw.pop(n) if n in kw else factories[n]() if n in factories else None
         if kw:
             raise TypeError(f"unexpected fields {sorted(kw)}")
-    return {"__init__": __init__}
+    return {"__init__": __init__, "FIELDS": names}
 
 
 class _MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - torch's name (metadata.py)
@@ -93,18 +96,14 @@ TensorStorageMetadata = _cls(_md, "TensorStorageMetadata", _fields("properties",
 BytesStorageMetadata = _cls(_md, "BytesStorageMetadata")
 TensorProperties = _cls(_md, "TensorProperties", {"__init__": _tp_init, "__getstate__": _tp_getstate})
 MetadataIndex = _cls(_md, "MetadataIndex", {"__init__": _index_init})
-StorageMeta = _cls(_md, "StorageMeta", _fields("checkpoint_id", "save_id", "load_id", "modules"))
+StorageMeta = _cls(_md, "StorageMeta", _fields("checkpoint_id", "save_id", "load_id", "modules",
+                                                factories={"modules": list}))
 Metadata = _cls(_md, "Metadata", _fields("state_dict_metadata", "planner_data", "storage_data", "storage_meta"))
 _StorageInfo = _cls(_fs, "_StorageInfo", {
     **_fields("relative_path", "offset", "length", "transform_descriptors"),
     "__getstate__": lambda self: {k: v for k, v in self.__dict__.items() if v is not None}})
 sys.modules.setdefault(_md.__name__, _md)
 sys.modules.setdefault(_fs.__name__, _fs)
-
-
-def new_storage_meta():
-    """``StorageMeta()`` as torch's defaults make it (``modules``: a new empty list)."""
-    return StorageMeta(None, None, None, [])
 
 
 def usable() -> bool:

@@ -63,8 +63,10 @@ _METADATA_FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "stor
 def build_metadata(m, sdm: dict, storage_data: dict):
     """DCP ``Metadata`` built with the fields the running torch's dataclass has (checked: a torch whose Metadata
     lacks one of :data:`_METADATA_FIELDS` is refused with one line), ``version`` set as torch's own writer sets
-    it, so that it pickles identically on every supported torch."""
-    fields = {f.name for f in dataclasses.fields(m.Metadata)} if dataclasses.is_dataclass(m.Metadata) else set()
+    it, so that it pickles identically on every supported torch. ``m``: torch's module, or
+    :mod:`~ckpt_tools.formats.dcp_stand_ins` (its classes name their ``FIELDS``)."""
+    fields = ({f.name for f in dataclasses.fields(m.Metadata)} if dataclasses.is_dataclass(m.Metadata)
+              else set(getattr(m.Metadata, "FIELDS", ())))
     missing = [f for f in _METADATA_FIELDS if f not in fields]
     if missing:
         raise DistCkptError(f"torch {torch.__version__}: torch.distributed.checkpoint.metadata.Metadata has no "
@@ -242,21 +244,17 @@ class TorchDistDestination(Destination):
         is built from stand-ins of torch DCP's classes (:mod:`ckpt_tools.formats.dcp_stand_ins`: the same bytes,
         without importing torch.distributed.checkpoint) on the torches they match, else from the running torch's
         own classes (:func:`build_metadata`)."""
-        md = None
-        if stand_ins.usable():
-            md = stand_ins.dumps(self._metadata(stand_ins, stand_ins.Metadata(storage_meta=stand_ins.new_storage_meta())))
+        md = stand_ins.dumps(self._metadata(stand_ins)) if stand_ins.usable() else None
         if md is None:
-            m = dcp()
-            md = pickle.dumps(self._metadata(m, None))
+            md = pickle.dumps(self._metadata(dcp()))
         out = {"common.pt": _save_bytes({}),  # bytes written with os calls, not torch.save(path): ENOSPC is exit 3
                "metadata.json": json.dumps(METADATA_JSON).encode(), ".metadata": md}
         if self.side_car is not None:
             out[SIDE_CAR] = json.dumps(self.side_car, indent=1).encode()
         return out
 
-    def _metadata(self, m, md):
-        """The DCP ``Metadata`` of this checkpoint from the classes of ``m`` (torch's module, or the stand-ins with
-        ``md`` their empty ``Metadata``: filled in here as :func:`build_metadata` fills torch's)."""
+    def _metadata(self, m):
+        """The DCP ``Metadata`` of this checkpoint from the classes of ``m`` (torch's module, or the stand-ins)."""
         layout, key_dtype = self.layout, self.key_dtype
         sdm = {}
         TensorStorageMetadata, TensorProperties, ChunkStorageMetadata = \
@@ -273,10 +271,7 @@ class TorchDistDestination(Destination):
                                 f"{len(self.chunks) + len(layout.objects)}")
         storage_data = {m.MetadataIndex(k, None if off is None else torch.Size(off)): m._StorageInfo(*v)
                         for (k, off), v in self.storage.items()}
-        if md is None:
-            md = build_metadata(m, sdm, storage_data)
-        else:
-            md.state_dict_metadata, md.storage_data, md.version = sdm, storage_data, DCP_VERSION
+        md = build_metadata(m, sdm, storage_data)
         md.mcore_data = {k: {} for k in layout.tensors}
         return md
 
