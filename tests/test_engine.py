@@ -260,3 +260,30 @@ def test_zip_record_header_is_checked(tmp_path, monkeypatch, honest):
                   direct=False)
     assert torch.equal(_read(rows2).view(torch.int16), t[0].view(torch.int16))
     assert (st["slow_records"] == 0) == honest and st["copy_file_range_bytes"] == (rows.nbytes if honest else 0)
+
+
+def test_blocks_stay_small_and_each_arena_is_mapped_once():
+    """Fresh memory is what a big block costs (a first touch ran at 0.1-2 GB/s on the CI class of VM; 256 MiB
+    blocks made mcore2hf ~1 s slower at 3 GB, docs/performance.md): a 256 MiB embedding is cut into blocks of at
+    most BLOCK_MAX whatever --max-memory allows, and a worker's arena is mapped once at its share of the memory
+    bound (pages backed as touched), so a growing unit never maps, and first-touches, a new one."""
+    from ckpt_tools.copy.plan import BLOCK_MAX, plan_units
+
+    src = Rec("/nonexistent/src", 0, (32768, 4096), torch.bfloat16, what="embedding chunk")
+    dst = Rec("/nonexistent/dst", 64, (32768, 4096), torch.bfloat16, what="embed_tokens")
+    op = Op(src, ((0, 32768), (0, 4096)), dst, ((0, 32768), (0, 4096)))
+    units = list(plan_units([(dst, [op])], cap=2 << 30))  # planning only: no byte is read
+    blocks = [b for u in units for b in u.blocks]
+    assert sum(b.nbytes for b in blocks) == dst.nbytes
+    assert len(blocks) > 1 and max(b.nbytes for b in blocks) <= BLOCK_MAX
+
+    a = engine._Arena(reserve=4 << 20)
+    a.ensure(4096)
+    base = a.np.ctypes.data
+    assert base % 4096 == 0 and a.np.size == 4 << 20
+    a.ensure(3 << 20)  # grew within the reservation: the same mapping
+    assert a.np.ctypes.data == base
+    a.t[:8].fill_(7)
+    assert a.np[:8].tolist() == [7] * 8  # the torch view and the numpy array are the same bytes
+    a.ensure(5 << 20)  # a unit bigger than the reservation: a bigger one
+    assert a.np.size >= 5 << 20

@@ -20,6 +20,7 @@ HEAVY = {"megatron", "vllm", "verl", "transformers"}  # optional heavy dependenc
 # (module, imported module) -> why it is imported inside a function: the documented start-up costs (docs/design.md)
 DOCUMENTED = {
     ("ckpt_tools.cli.entry", "ckpt_tools.cli.commands"): "the commands need torch: imported after _quiet_c10d",
+    ("ckpt_tools.cli.entry", "numpy"): "imported with one OpenBLAS thread (_one_blas_thread), after --help",
     ("ckpt_tools.dist.ranks", "torch.distributed"): "the CLI imports dist.ranks before torch",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.6 s (DTensor, sympy); only where the stand-ins do not apply",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",

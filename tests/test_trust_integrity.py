@@ -274,6 +274,24 @@ def test_the_cli_imports_torch_with_the_collector_paused_and_freezes_it(outputs)
         assert f"STATE 0 True True {frozen}" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts no extra thread on one core")
+def test_the_cli_imports_numpy_with_one_blas_thread(outputs):
+    """Issue 34: numpy's OpenBLAS starts a spinning thread per further core at import (~0.12 s of CPU a run on
+    2 cores); the CLI imports numpy with OPENBLAS_NUM_THREADS=1 and removes the variable again. Library use
+    with numpy imported first, and a user's own setting, are left alone (the thread is there)."""
+    probe = ("import os, sys\n{pre}from ckpt_tools.cli.entry import _main\n"
+             "rc = _main(['inspect', %r, '--hf-config', %r])\n"
+             "print('STATE', rc, len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS'))\n"
+             % (outputs["mcore"], outputs["src"]))
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    for pre, user, want in (("", None, "STATE 0 1 None"), ("import numpy\n", None, "STATE 0 2 None"),
+                            ("", "2", "STATE 0 2 2")):
+        e = dict(env, **({"OPENBLAS_NUM_THREADS": user} if user else {}))
+        r = subprocess.run([sys.executable, "-c", probe.format(pre=pre)], capture_output=True, text=True, cwd=ROOT,
+                           env=e)
+        assert want in r.stdout, (pre, user, r.stdout + r.stderr)
+
+
 def test_a_wrong_vllm_buffer_value_is_reported(outputs, tmp_path, capsys):
     """The attention scale buffers vLLM 0.32 loads (float32 1.0) are compared without torch, bit for bit: one
     set to 2.0 is named by inspect with its value (and the manifest flags the changed bytes in verify)."""

@@ -47,7 +47,7 @@ from ..integrity import hash_bytes, hash_range
 from ..layout import box_numel, box_shape, box_shift, box_slices
 from ..layout.blocks import scale_box
 from .dequant import SCRATCH_BYTES_PER_ELEM, dequant_into, scratch_elems
-from .fileio import EngineIO, _merge, read_rec_box  # noqa: F401 (read_rec_box: engine API)
+from .fileio import EngineIO, _merge, anon_buffer, read_rec_box  # noqa: F401 (read_rec_box: engine API)
 from .plan import CFR_MIN, Block, EngineError, Op, Rec, Unit, contiguous_span, plan_units, span_box  # noqa: F401 (Op: engine API)
 
 
@@ -56,15 +56,24 @@ def _align(n: int, a: int = 64) -> int:
 
 
 class _Arena:
-    """A per-thread byte buffer, allocated once and reused (grows when a unit needs more)."""
+    """A per-thread byte buffer, reused by every unit the thread runs. It is mapped once at ``reserve`` bytes
+    (the worker's share of ``--max-memory``) as private anonymous memory: the kernel backs a page when it
+    is first touched, so a worker's memory is the largest unit it ran, and no later unit touches fresh
+    pages (growing on demand touched every size it passed through: 64, then 128 MiB). Fresh pages are the
+    cost: on this class of VM a first touch runs at ~2 GB/s with 4 KiB pages and at 0.1-8 GB/s with
+    transparent huge pages (numpy's ``np.empty`` asks for them for big arrays; after a page-cache drop the
+    host backs 2 MiB pages at ~0.13 GB/s: 0.5 GB of arenas cost mcore2hf ~1 s, docs/performance.md), so the
+    mapping leaves the system's huge-page policy alone instead of asking for them. Only a unit bigger than
+    ``reserve`` maps a bigger one."""
 
-    def __init__(self):
+    def __init__(self, reserve: int = 0):
+        self.reserve = reserve
         self.np = np.empty(0, np.uint8)
         self.t = torch.from_numpy(self.np)
 
     def ensure(self, n: int):
         if self.np.size < n:
-            self.np = np.empty(_align(n, 1 << 12), np.uint8)
+            self.np = anon_buffer(_align(max(n, self.reserve), 1 << 12))
             self.t = torch.from_numpy(self.np)
 
     def view(self, off: int, nbytes: int, dtype, shape):
@@ -116,7 +125,7 @@ class Engine(EngineIO):
     def _arena(self) -> _Arena:
         a = getattr(self._local, "arena", None)
         if a is None:
-            a = self._local.arena = _Arena()
+            a = self._local.arena = _Arena(self.cap)
         return a
 
     def _count(self, k, n):

@@ -14,6 +14,13 @@ from ..layout import Box, box_shape, box_shift, box_slices, full_box
 from .plan import EngineError, Rec, contiguous_span, span_box
 
 
+def anon_buffer(n: int) -> np.ndarray:
+    """``n`` bytes of private anonymous memory (page-aligned, backed page by page as first touched; a shared
+    mapping, ``mmap``'s default, is shmem: its first touch ran at 1.45 GB/s here against 2.0 private)."""
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE) if hasattr(mmap, "MAP_PRIVATE") else mmap.mmap(-1, n)
+    return np.frombuffer(m, np.uint8)
+
+
 def read_rec_box(rec: Rec, box: Box | None = None, fd: int | None = None) -> torch.Tensor:
     """Read ``box`` of source record ``rec`` with ``preadv`` (no mmap): only the contiguous span holding the
     box (whole rows below its first non-point dim) is read, so memory follows the box, not the file."""
@@ -254,7 +261,7 @@ class EngineIO:
         """This thread's page-aligned staging buffer for O_DIRECT reads and writes (used by one at a time)."""
         buf = getattr(self._local, "dbuf", None)
         if buf is None:
-            buf = self._local.dbuf = memoryview(mmap.mmap(-1, self.DIRECT_BUF))  # page-aligned
+            buf = self._local.dbuf = memoryview(anon_buffer(self.DIRECT_BUF))  # page-aligned
         return buf
 
     def _copy_range(self, src: Rec, soff: int, dfd: int, doff: int, n: int):

@@ -160,12 +160,19 @@ def blocks_of(d: Rec, ops, block_max: int, cfr_min: int = None):
         yield b
 
 
+# The largest destination block (its staged sources included). Bigger blocks buy nothing (a unit is merged into
+# few vectored syscalls anyway) and cost fresh memory: the arenas are as big as the biggest unit, and a first
+# touch is slow on VMs (copy.engine._Arena). 256 MiB blocks (the embedding, lm_head) made mcore2hf 6.4-6.6 s
+# at 3 GB against 5.4-5.5 s with 8, 32 or 64 MiB (scripts/ab.py, 5 alternating repeats each, docs/performance.md).
+BLOCK_MAX = 32 << 20
+
+
 def plan_units(items, cap: int, target: int = 64 << 20, cfr_min: int | None = None):
     """Stream units from ``items`` = (destination Rec, its ops) in processing order. Consecutive blocks are
     batched into a unit of about ``target`` bytes (its reads and writes then merge into few vectored
     syscalls); a block that stages a source the unit already stages joins it up to ``cap`` bytes, so the
     source is read once. Lazy: planning overlaps the copying."""
-    block_max = max(1, min(cap // 2, 256 << 20))
+    block_max = max(1, min(cap // 2, BLOCK_MAX))
     target = max(1, min(target, cap // 2))
     cur, cur_srcs, cur_bytes = None, set(), 0
     for d, ops in items:
