@@ -287,3 +287,13 @@ def test_blocks_stay_small_and_each_arena_is_mapped_once():
     assert a.np[:8].tolist() == [7] * 8  # the torch view and the numpy array are the same bytes
     a.ensure(5 << 20)  # a unit bigger than the reservation: a bigger one
     assert a.np.size >= 5 << 20
+
+
+def test_a_memory_bound_beyond_the_machine_still_copies(tmp_path, monkeypatch):
+    """--max-memory is a bound, not an allocation: a value larger than the machine's memory (the arenas are
+    reserved from it) must not make the kernel refuse the mapping (ENOMEM; found while making each arena one
+    mapping)."""
+    monkeypatch.setattr(engine.Engine, "DIRECT_MIN", 1)
+    dsts, ops, want = _case(tmp_path)
+    run_copy(_items(dsts, ops), workers=2, max_memory=1 << 50)
+    _check(dsts, want)

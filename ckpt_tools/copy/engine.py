@@ -64,10 +64,14 @@ class _Arena:
     transparent huge pages (numpy's ``np.empty`` asks for them for big arrays; after a page-cache drop the
     host backs 2 MiB pages at ~0.13 GB/s: 0.5 GB of arenas cost mcore2hf ~1 s, docs/performance.md), so the
     mapping leaves the system's huge-page policy alone instead of asking for them. Only a unit bigger than
-    ``reserve`` maps a bigger one."""
+    ``reserve`` maps a bigger one. The reservation is at most ``RESERVE_MAX``: the kernel refuses a private
+    mapping larger than the machine's memory (``--max-memory 64TiB`` failed with ENOMEM), and units are far
+    smaller (blocks of at most ``copy.plan.BLOCK_MAX``; 128 MiB at most in every bench direction)."""
+
+    RESERVE_MAX = 512 << 20
 
     def __init__(self, reserve: int = 0):
-        self.reserve = reserve
+        self.reserve = min(reserve, self.RESERVE_MAX)
         self.np = np.empty(0, np.uint8)
         self.t = torch.from_numpy(self.np)
 
