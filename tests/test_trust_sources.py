@@ -113,6 +113,32 @@ def test_source_check_rehashes_a_range_read_out_of_order(tmp_path):
         c.feed(fp, 0, [open(fp, "rb").read()])
 
 
+def test_holes_inside_a_range_are_read_for_the_check_not_reread_after(srcs, tmp_path, monkeypatch):
+    """vLLM TP8 from Megatron TP2 with 4 kv heads (replicated): a rank takes one q head of a linear_qkv group and
+    the group's k and v, skipping the other q head, so the chunk's manifest range was read out of order and
+    re-read whole after the copy (reshard of the 3 GB bench model: 198 MB, the 235B's ~7 GB). The engine reads
+    such a hole too, for the check only: nothing is re-read, and the output is the same bytes. The tiny
+    model's holes (2 KiB) are below the engine's read-through size, and its whole output one unit: both are made
+    small here, as the 235B's are against its 8 MiB holes."""
+    from ckpt_tools.copy import engine
+
+    ref = str(tmp_path / "ref")
+    convert.reshard(srcs["mcore"], ref, tp=8, hf_config=srcs["cfg"], progress=False)
+    monkeypatch.setattr(engine.Engine, "GAP_FILL", 0)
+    monkeypatch.setattr(engine.Engine, "MIN_CAP", 16 << 10)  # with max_memory=1: units of ~8 KiB
+    out = str(tmp_path / "out")
+    st = convert.reshard(srcs["mcore"], out, tp=8, hf_config=srcs["cfg"], progress=False, max_memory=1)["engine"]
+    assert st["units"] > 100, st
+    assert st["fill_bytes"] > 0 and st["source_rehash_bytes"] == 0, st
+    man = load_manifest(srcs["mcore"])
+    data = sum(r[1] for e in man["files"].values() for r in e["ranges"] if r[3] != "-")
+    assert st["source_stream_bytes"] == data, (st, data)  # every data range hashed as it streamed
+    files = sorted(f for f in os.listdir(ref) if f.endswith(".safetensors"))
+    assert files and files == sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    for f in files:
+        assert open(os.path.join(ref, f), "rb").read() == open(os.path.join(out, f), "rb").read(), f
+
+
 # ------------------------------------------------------------------------------------- structure, every command
 def _storage(mc):
     return pickle.load(open(os.path.join(mc, ".metadata"), "rb")).storage_data

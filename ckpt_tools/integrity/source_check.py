@@ -64,6 +64,19 @@ class SourceCheck:
                 raise IntegrityError(f"{path}: read from the source, but its {MANIFEST} does not list it")
         return rel
 
+    def hashing(self, path: str, a: int, b: int) -> bool:
+        """Whether file bytes [a, b) lie inside one data range that is neither hashed whole yet nor given up on
+        (so reading them in order with their neighbours keeps that range streaming: copy.engine's fills)."""
+        with self._lock:
+            rel = self._relpath(path)
+            rs, starts = self.files[rel]
+            i = bisect.bisect_right(starts, a) - 1
+            if i < 0:
+                return False
+            ro, rn, _, what = rs[i]
+            return (what != "-" and ro < a and b < ro + rn and (rel, i) not in self._done
+                    and (rel, i) not in self._dirty)
+
     def feed(self, path: str, off: int, bufs):
         """Bytes [off, off + sum of lengths) of ``path``, as read (a list of buffers, contiguous in the file)."""
         with self._lock:
