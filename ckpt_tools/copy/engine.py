@@ -259,10 +259,9 @@ class Engine(EngineIO):
         for key, (s, bx) in spans.items():
             soffs[key] = need
             need = _align(need + box_numel(bx) * s.dtype.itemsize)
-        fills = self._fills(unit, spans) if self.check is not None else []
-        foffs = []
-        for _, _, n in fills:
-            foffs.append(need)
+        fills = []  # (source record, file offset, length, arena offset)
+        for s, off, n in (self._fills(unit, spans) if self.check is not None else ()):
+            fills.append((s, off, n, need))
             need = _align(need + n)
         scratch_off = need
         need = _align(need + scratch * SCRATCH_BYTES_PER_ELEM)
@@ -321,7 +320,7 @@ class Engine(EngineIO):
                 block_hashes.append((d.path, boff, o, b.nbytes, d.what))
             if b.last and d.tail:
                 writes.append((dfd, d.offset + d.nbytes, d.tail))
-        for (s, off, n), o in zip(fills, foffs):  # read only for the source check (the bytes are not used)
+        for s, off, n, o in fills:  # read only for the source check (the bytes are not used)
             read_src(s, off, memoryview(anp[o:o + n]))
             self._count("fill_bytes", n)
         self._count("direct_read_bytes", direct)

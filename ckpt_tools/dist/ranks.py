@@ -275,13 +275,13 @@ class Group:
             self._raised = True
             raise PeerFailed(self._lost(e)) from None
 
-    def _beats(self) -> list:
-        """Every rank's heartbeat key: a counter while it runs, ``BYE`` once it is done (two round trips); None
-        for every rank while one has not started (``multi_get`` would block until the store's timeout for a key
-        that does not exist: torch/distributed's Store doc)."""
-        keys = [f"beat/{r}" for r in range(self.world)]
+    def _beats(self, ranks=None) -> list:
+        """The heartbeat keys of ``ranks`` (default every rank): a counter while it runs, ``BYE`` once it is done
+        (two round trips); None for each while one has not started (``multi_get`` would block until the store's
+        timeout for a key that does not exist: torch/distributed's Store doc)."""
+        keys = [f"beat/{r}" for r in (range(self.world) if ranks is None else ranks)]
         if not self.store.check(keys):
-            return [None] * self.world
+            return [None] * len(keys)
         return [v.decode() for v in self.store.multi_get(keys)]
 
     def _wait(self, name: str, ranks, what: str, deadline: bool = True, hold: str = "") -> list:
@@ -518,7 +518,7 @@ class Group:
         end = time.monotonic() + self.timeout
         started = [r for r in range(self.world) if r != self.rank and self.store.check([f"beat/{r}"])]
         while time.monotonic() < end and (failed or not self.store.check(["fail"])):
-            if all(self.store.get(f"beat/{r}").decode() == BYE or self._dead(r) for r in started):
+            if all(b == BYE or self._dead(r) for r, b in zip(started, self._beats(started))):
                 break
             time.sleep(0.02)
 
