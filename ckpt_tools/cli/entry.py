@@ -6,6 +6,7 @@ torch is imported (the commands, which need torch, are imported after it: a docu
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -58,11 +59,26 @@ def _one_blas_thread():
 
 def main(argv=None) -> int:
     code = _main(argv)
-    if argv is None and distributed.waiting_in_c():  # the console script: this process is ours to end
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)  # not through finalization: a thread still in a C++ call would abort it (SIGABRT)
+    if argv is None:  # the console script (and python -m ckpt_tools.cli): this process is ours to end
+        if distributed.waiting_in_c():
+            _end(code)  # not through finalization: a thread still in a C++ call would abort it (SIGABRT)
+        if not any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+            atexit._run_exitfuncs()  # what finalization would run first (weakref.finalize, multiprocessing's
+            _end(code)               # semaphore unlinks, logging), then no module teardown (see _end)
     return code
+
+
+def _end(code: int):
+    """Ends the process now: the command is over (outputs closed and renamed, the group left), so the
+    interpreter's finalization would only tear down modules: ~0.1 s with torch's ~1,200 loaded (measured on
+    reshard at 3 GB: 0.11 s from main's return to the process's end; a non-daemon thread still running keeps
+    the normal exit, which joins it)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def _main(argv) -> int:

@@ -265,38 +265,17 @@ class TorchDistReader:
                                        what=f"chunk of {key} at {[b[0] for b in cbox]}")
         return rec
 
-    ANALYSE_MAX = 64 << 20  # records larger than this are analysed without reading their data
+    ANALYSE_MAX = 64 << 20  # structure(): a record torch.load must read (not our layout class) up to this size
 
     def _analyse(self, key, cbox, si, dt):
         """(data offset in the record, header bytes before it) or (0, None) when the record is not a plain
-        little-endian contiguous dump of the chunk. A record above ``ANALYSE_MAX`` bytes is parsed through a
-        window on the file: torch's zip reader reads only the headers and central directory, and torch.load
-        under ``torch.serialization.skip_data()`` builds the tensor without reading its storage (allocated,
-        never touched: resident memory stays small whatever the chunk size)."""
-        if si.length > self.ANALYSE_MAX:
-            return self._analyse_lazy(key, cbox, si, dt)
-        raw = self._read_record(key, si)
-        try:
-            zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
-            t = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001
-            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} at byte {si.offset} is corrupted ({e})") from None
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != box_shape(cbox) or t.dtype != dt:
-            raise DistCkptError(f"{self.path}/{si.relative_path}: chunk of {key} holds {getattr(t, 'shape', type(t))} "
-                                f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
-        names = zr.get_all_records()
-        data = [n for n in names if n.startswith("data/")]
-        nbytes = t.numel() * t.element_size()
-        if (len(data) != 1 or not t.is_contiguous() or t.storage_offset() != 0
-                or t.untyped_storage().nbytes() != nbytes
-                or ("byteorder" in names and bytes(zr.get_record("byteorder")) != b"little")):
-            return 0, None
-        off = zr.get_record_offset(data[0])
-        if raw[off:off + nbytes] != t.view(torch.uint8).reshape(-1).numpy().tobytes():
-            return 0, None
-        return off, bytes(raw[:off])
-
-    def _analyse_lazy(self, key, cbox, si, dt):
+        little-endian contiguous dump of the chunk. The record is parsed through a window on the file: torch's
+        zip reader reads only the headers and central directory, and torch.load under
+        ``torch.serialization.skip_data()`` builds the tensor without reading its storage (allocated, never
+        touched: resident memory stays small whatever the chunk size). The data offset is the zip reader's own
+        (``get_record_offset``); the data bytes are not read (they were, for records up to 64 MiB, and compared
+        with torch.load's tensor: ~0.09 s of the 3 GB bench's cold structure check, 9 exemplars, and the same
+        offset either way)."""
         fp = os.path.join(self.path, si.relative_path)
         if os.path.getsize(fp) < si.offset + si.length:
             raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
@@ -316,7 +295,7 @@ class TorchDistReader:
                                     f"{getattr(t, 'dtype', '')}, metadata says {box_shape(cbox)} {dt}")
             nbytes = math.prod(t.shape) * dt.itemsize
             if (off is None or not t.is_contiguous() or t.storage_offset() != 0 or order != b"little"
-                    or off + nbytes > si.length):
+                    or off + nbytes > si.length or t.untyped_storage().nbytes() != nbytes):
                 return 0, None
             f.seek(si.offset)
             return off, f.read(off)
