@@ -270,14 +270,12 @@ class TorchDistReader:
     def _analyse(self, key, cbox, si, dt):
         """(data offset in the record, header bytes before it) or (0, None) when the record is not a plain
         little-endian contiguous dump of the chunk. The record is parsed through a window on the file: torch's
-        zip reader reads only the headers and central directory, and torch.load under a ``FakeTensorMode``
-        builds the tensor on a storage of the meta device without reading the data (torch/serialization.py
-        ``load_tensor``, its ``detect_fake_mode`` branch: in torch 2.6, 2.7 and 2.13 alike; torch.load under
-        ``skip_data()`` raises in 2.6, and 2.6 / 2.7 report such a storage at twice its size, so the storage's
-        size is not checked: the offset and the data's bounds in the record are). The data offset is the zip
-        reader's own (``get_record_offset``). The data bytes are not read: they were, for records up to 64 MiB,
-        and compared with torch.load's tensor (~0.09 s of the 3 GB bench's cold structure check, 9 exemplars;
-        the same offset either way)."""
+        zip reader reads only the headers and central directory, and torch.load builds the tensor without
+        reading its data (:func:`_load_no_data`). The data offset is the zip reader's own
+        (``get_record_offset``); the storage's size is not checked (torch 2.6 / 2.7 report a skipped storage at
+        twice its size), the data's bounds in the record are. The data bytes are not read: they were, for
+        records up to 64 MiB, and compared with torch.load's tensor (~0.09 s of the 3 GB bench's cold
+        structure check, 9 exemplars; the same offset either way)."""
         fp = os.path.join(self.path, si.relative_path)
         if os.path.getsize(fp) < si.offset + si.length:
             raise DistCkptError(f"{fp}: truncated (chunk of {key} at byte {si.offset} needs {si.length} bytes)")
@@ -286,8 +284,7 @@ class TorchDistReader:
                 zr = torch._C.PyTorchFileReader(_Window(f, si.offset, si.length))
                 names = zr.get_all_records()
                 data = [n for n in names if n.startswith("data/")]
-                with _fake_mode():  # the storage on the meta device: nothing read, nothing allocated
-                    t = torch.load(_Window(f, si.offset, si.length), weights_only=True, map_location="cpu")
+                t = _load_no_data(lambda: _Window(f, si.offset, si.length))
                 order = bytes(zr.get_record("byteorder")) if "byteorder" in names else b"little"
                 off = zr.get_record_offset(data[0]) if len(data) == 1 else None
             except Exception as e:  # noqa: BLE001
@@ -351,11 +348,20 @@ class TorchDistReader:
         return ok
 
 
-def _fake_mode():
-    """torch's FakeTensorMode (imported by ``import torch`` itself): torch.load under it reads no tensor data."""
+def _load_no_data(stream):
+    """``torch.load`` (``weights_only``) of the torch.save record ``stream()`` opens, without reading its tensor
+    data. Under ``torch.serialization.skip_data()`` where torch.load honours it (torch >= 2.7: the storage
+    allocated, never read nor touched); torch 2.6's torch.load raises under it ("called within a
+    torch.serialization.skip_data context manager is not supported yet", torch/serialization.py ``load``), so
+    there it runs under torch's ``FakeTensorMode`` (the storage on the meta device: ``load_tensor``'s
+    ``detect_fake_mode`` branch), whose first use imports ~900 modules (~1 s): only where it must."""
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7):
+        with torch.serialization.skip_data():
+            return torch.load(stream(), weights_only=True, map_location="cpu")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode()
+    with FakeTensorMode():
+        return torch.load(stream(), weights_only=True, map_location="cpu")
 
 
 class _Window(io.RawIOBase):
