@@ -24,6 +24,7 @@ DOCUMENTED = {
     ("ckpt_tools.dist.ranks", "torch.distributed"): "the CLI imports dist.ranks before torch",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.6 s (DTensor, sympy); only where the stand-ins do not apply",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",
+    ("ckpt_tools.formats.torch_dist_reader", "torch._subclasses.fake_tensor"): "torch 2.6 only: ~1.1 s on first use",
     ("ckpt_tools.cli.commands", "ckpt_tools.sync"): "torch.distributed: only plan --sync needs it (core/lazy.py)",
     ("ckpt_tools.cli.commands", "ckpt_tools.sync.cost"): "the same package",
 }
