@@ -81,6 +81,15 @@ def torch_dtype(name: str):
     return getattr(torch, name) if isinstance(name, str) else name
 
 
+def torch_version() -> tuple[int, int] | None:
+    """The running torch's (major, minor) from ``torch.__version__`` (``"2.7.1+cu126"`` -> ``(2, 7)``); None
+    when it does not read as numbers."""
+    try:
+        return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+
+
 def dtype_name(dt) -> str:
     """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
     return dt if isinstance(dt, str) else str(dt).replace("torch.", "")

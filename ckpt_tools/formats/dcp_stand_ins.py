@@ -31,7 +31,7 @@ import pickle
 import sys
 import types
 
-from ..core.lazy import torch
+from ..core.lazy import torch, torch_version
 
 _REAL = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 STAND_IN_MODULES = (__name__ + ".meta", __name__ + ".fsinfo")
@@ -108,11 +108,8 @@ sys.modules.setdefault(_fs.__name__, _fs)
 
 def usable() -> bool:
     """The running torch is one whose classes these stand-ins match (:data:`STAND_IN_TORCH`)."""
-    try:
-        v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return STAND_IN_TORCH[0] <= v <= STAND_IN_TORCH[1]
+    v = torch_version()
+    return v is not None and STAND_IN_TORCH[0] <= v <= STAND_IN_TORCH[1]
 
 
 def dumps(md) -> bytes | None:

@@ -14,7 +14,7 @@ from collections import OrderedDict, defaultdict
 from ..copy.fileio import read_rec_box
 from ..copy.plan import EngineError, Rec
 from ..core.files import read_json
-from ..core.lazy import torch
+from ..core.lazy import torch, torch_version
 from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
 from .safe_pickle import Metadata, TensorStorageMetadata, UnsafePickleError, load_metadata
 from .torch_dist import DistCkptError
@@ -355,7 +355,7 @@ def _load_no_data(stream):
     torch.serialization.skip_data context manager is not supported yet", torch/serialization.py ``load``), so
     there it runs under torch's ``FakeTensorMode`` (the storage on the meta device: ``load_tensor``'s
     ``detect_fake_mode`` branch), whose first use imports ~900 modules (~1 s): only where it must."""
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7):
+    if (torch_version() or (0, 0)) >= (2, 7):  # (a version that does not read: the mode, which every torch has)
         with torch.serialization.skip_data():
             return torch.load(stream(), weights_only=True, map_location="cpu")
     # lazy: torch 2.6 only (the mode's first use imports ~900 modules, ~1.1 s)
