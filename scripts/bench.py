@@ -9,7 +9,7 @@ requests, 4 files in flight, GNU dd: what the disk gives a streaming copy); ever
     python scripts/bench.py --fp8                  # FP8 sources: dequant vs bf16 copy, 1 and 3 GB of FP8, RSS
 
 ``--procs 1 2 4`` runs every step that can (hf2mcore, mcore2hf, reshard, verify) also under ``torchrun
---nproc-per-node N`` (ckpt_tools.dist: every rank writes its share) and prints each one's time as a
+--nproc-per-node N`` (ckpt_tools.torchrun: every rank writes its share) and prints each one's time as a
 ratio to the same step on one process, paired within each repeat. On one machine with one disk the gain is
 bounded by that disk and its 2 cores; the point is that it does not lose, and that it scales where the
 storage does (``ckpt-tools plan --nodes``).

@@ -5,12 +5,12 @@ import json
 import os
 import sys
 
-from ckpt_tools.dist import ranks
+from ckpt_tools.torchrun import ranks
 
 
 def body(g):
     got = []
-    for size in range(7800, 8300):  # sizes around torch 2.7.1's cut (dist/store.py), and the ranks' keys
+    for size in range(7800, 8300):  # sizes around torch 2.7.1's cut (torchrun/store.py), and the ranks' keys
         vals = g.gather("%d:" % g.rank + "x" * (size + g.rank), f"gather of {size}")
         got.append([len(v) - len(f"{r}:") == size + r and v.startswith(f"{r}:") for r, v in enumerate(vals)])
     return all(all(x) for x in got), len(got)

@@ -1,4 +1,4 @@
-"""Conversion and verify under torchrun (ckpt_tools.dist): every rank writes or checks its share.
+"""Conversion and verify under torchrun (ckpt_tools.torchrun): every rank writes or checks its share.
 
 The outputs of 4 ranks are byte-identical to one process's, for every direction; a rank killed mid-run stops
 the others with one line naming it and nothing is published; a rank started with other flags is refused before
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ckpt_tools.dist.divide import divide, divide_in_order
+from ckpt_tools.torchrun.divide import divide, divide_in_order
 from conftest import HERE, ROOT, flip_byte, free_port
 from test_trust_fs import _tree
 
@@ -211,7 +211,7 @@ def test_plan_predicts_the_distributed_time(tmp_path, capsys):
 def test_store_requests_stay_small(tmp_path):
     """torch 2.7.1's torchrun store server (the users' torch) drops a connection when a request reaches it cut
     across two reads: 4 ranks gathering values of 7800..8300 characters lost the store at once before every
-    request was kept small (ckpt_tools/dist/store.py); every value comes back intact, on every rank."""
+    request was kept small (ckpt_tools/torchrun/store.py); every value comes back intact, on every rank."""
     out = tmp_path / "codes"
     out.mkdir()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
@@ -227,7 +227,7 @@ def test_small_requests_split_and_reassemble():
     around the part size and a check / multi_get over more keys than one request holds come back as set."""
     import torch.distributed as dist
 
-    from ckpt_tools.dist import store
+    from ckpt_tools.torchrun import store
 
     raw = dist.HashStore()
     s = store.SmallRequests(raw)

@@ -21,7 +21,7 @@ HEAVY = {"megatron", "vllm", "verl", "transformers"}  # optional heavy dependenc
 DOCUMENTED = {
     ("ckpt_tools.cli.entry", "ckpt_tools.cli.commands"): "the commands need torch: imported after _quiet_c10d",
     ("ckpt_tools.cli.entry", "numpy"): "imported with one OpenBLAS thread (_one_blas_thread), after --help",
-    ("ckpt_tools.dist.ranks", "torch.distributed"): "the CLI imports dist.ranks before torch",
+    ("ckpt_tools.torchrun.ranks", "torch.distributed"): "the CLI imports torchrun.ranks before torch",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.6 s (DTensor, sympy); only where the stand-ins do not apply",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",
     ("ckpt_tools.formats.torch_dist_reader", "torch._subclasses.fake_tensor"): "torch 2.6 only: ~1.1 s on first use",
@@ -115,7 +115,7 @@ def test_modules_are_small_and_say_their_job():
 
 
 def test_the_cli_imports_no_torch():
-    """What the function-local imports of cli.entry and dist.ranks are for (docs/design.md)."""
+    """What the function-local imports of cli.entry and torchrun.ranks are for (docs/design.md)."""
     code = "import sys, ckpt_tools.cli; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT})

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ckpt_tools import cli, convert
-from ckpt_tools.dist import ranks as distributed
 from ckpt_tools.integrity import MANIFEST
 from ckpt_tools.layout import MegatronLayout
+from ckpt_tools.torchrun import ranks as distributed
 from conftest import free_port
 from test_distributed import QUIET, TOPO, _launch
 from test_trust_fs import _tree

@@ -97,8 +97,8 @@ def test_good_numbers_still_parse():
 
 def test_python_api_timeout_and_vocab_multiple_are_checked(tiny_hf, tmp_path):
     from ckpt_tools.core.errors import InputError
-    from ckpt_tools.dist.ranks import join
     from ckpt_tools.layout import LayoutError
+    from ckpt_tools.torchrun.ranks import join
 
     for t in (float("nan"), float("inf"), -1, 0, 1e12):  # one process accepted every one of them
         with pytest.raises(InputError, match="--dist-timeout"):

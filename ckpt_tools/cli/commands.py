@@ -13,12 +13,12 @@ from ..convert.directions import DTYPES, megatron_parallel
 from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_vllm, predict, predict_distributed
 from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, torch_dtype
-from ..dist import ranks as distributed
 from ..formats.fp8 import BlockScaledReader, format_fp8
 from ..formats.torch_dist import SIDE_CAR
 from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
+from ..torchrun import ranks as distributed
 from ..verify import check_one, inspect_checks, print_one, print_report, verify
 
 

@@ -15,7 +15,7 @@ import threading
 from ..core import lazy
 from ..core.errors import IntegrityError, Terminated, describe_oserror, exit_code
 from ..core.show import PRINT_ERRORS, show
-from ..dist import ranks as distributed
+from ..torchrun import ranks as distributed
 from .parser import build_parser, empty_path
 
 

@@ -8,7 +8,7 @@ from converters import vllm_names
 
 from ..core import numbers
 from ..core.errors import EXIT_CODES
-from ..dist.divide import DIVIDE
+from ..torchrun.divide import DIVIDE
 
 DESCRIPTION = "``ckpt-tools`` command line."  # the --help description
 EPILOG = ("Every command streams tensors one at a time; nothing instantiates a model or needs an accelerator. "

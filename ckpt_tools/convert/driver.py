@@ -13,7 +13,7 @@ from it. :func:`convert` does, once:
    side files), write the manifest, publish atomically - or discard everything on any failure.
 
 Under ``torchrun`` (or any launcher that sets the torch.distributed environment) the same steps run on every
-rank (:mod:`ckpt_tools.dist`): rank 0 stages, creates the files, finishes and publishes; the records are
+rank (:mod:`ckpt_tools.torchrun`): rank 0 stages, creates the files, finishes and publishes; the records are
 divided among the ranks by bytes (whole files first) and each rank copies its share with the same engine.
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ from ..copy.destination import Destination
 from ..core.errors import InputError, PeerFailed
 from ..core.hold import hold_point
 from ..core.progress import Progress
-from ..dist import ranks
-from ..dist.divide import DIVIDE, divide, divide_in_order
-from ..dist.ranks import fingerprint
 from ..integrity import unwritten, write_manifest
 from ..layout import numel
 from ..output.guard import check_out
 from ..output.stage import discard, publish, staging
+from ..torchrun import ranks
+from ..torchrun.divide import DIVIDE, divide, divide_in_order
+from ..torchrun.ranks import fingerprint
 from ..verify import checked_source
 from ..verify.compare import equal_bits
 
@@ -64,7 +64,7 @@ class Job(NamedTuple):
 
 
 def convert(job: Job, opts: Options, error=ValueError) -> tuple[object, Destination, dict]:
-    """Run ``job`` - on one process, or on every rank of a torchrun job (:mod:`ckpt_tools.dist.ranks`);
+    """Run ``job`` - on one process, or on every rank of a torchrun job (:mod:`ckpt_tools.torchrun.ranks`);
     returns (source view, destination, summary). ``error``: the exception class for a refused ``--out`` and
     a failed copy (exit 2)."""
     return ranks.on_ranks(lambda g: _convert(g or ranks.Solo(), job, opts, error), opts.dist_timeout)

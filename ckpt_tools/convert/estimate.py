@@ -52,7 +52,7 @@ def predict(nbytes: int, disk_gbps: float) -> dict:
 def predict_distributed(nbytes: int, nodes: int, procs_per_node: int, node_gbps: float, fs_gbps: float,
                         proc_gbps: float) -> dict:
     """A conversion (or a two-sided verify: read only, 2 x ``nbytes``) under torchrun on ``nodes`` x
-    ``procs_per_node`` ranks (ckpt_tools.dist): every byte still goes once through the shared file
+    ``procs_per_node`` ranks (ckpt_tools.torchrun): every byte still goes once through the shared file
     system (``fs_gbps``: its aggregate read+write throughput), each node moves its share in and out through its
     own link (``node_gbps``, each direction: a full-duplex NIC) and each process copies at most ``proc_gbps``
     (read+write; scripts/bench.py measures one process's rate). The slowest of the three bounds the time, plus

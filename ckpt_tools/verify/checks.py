@@ -7,12 +7,12 @@ import sys
 
 from tqdm import tqdm
 
-from ..dist.divide import divide
-from ..dist.ranks import Solo
 from ..formats.torch_dist import SIDE_CAR
 from ..formats.views import ERRORS, FormatError, format_loaders
 from ..integrity import MANIFEST, IntegrityError, ManifestError, SourceCheck, check_manifest, check_sizes, load_manifest
 from ..integrity.manifest import unlisted_problems
+from ..torchrun.divide import divide
+from ..torchrun.ranks import Solo
 
 
 def structure_checks(view) -> tuple[list[tuple[str, bool]], dict | None]:

@@ -14,11 +14,11 @@ from tqdm import tqdm
 
 from ..copy.plan import row_blocks
 from ..core.lazy import dtype_name, torch
-from ..dist.divide import divide
-from ..dist.ranks import Solo
 from ..formats.views import VllmView
 from ..integrity import SourceCheck
 from ..layout import box_shape, box_shift, box_slices, full_box, numel
+from ..torchrun.divide import divide
+from ..torchrun.ranks import Solo
 from .checks import _manifest, structure_checks
 
 # bytes of working memory per compared element: both sides' read buffers and assembled copies, a cast of
@@ -86,7 +86,7 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
     """Compare view ``a`` with view ``b`` block by block, each side in its own stored dtype: a dtype difference
     is a difference unless ``allow_cast`` (then both are compared in the narrower dtype and the tensors whose
     values that rounds are counted). Returns a report dict with ``ok``, per-tensor rows and problems.
-    ``group`` (:mod:`ckpt_tools.dist.ranks`, under torchrun): each rank compares its share of the tensors
+    ``group`` (:mod:`ckpt_tools.torchrun.ranks`, under torchrun): each rank compares its share of the tensors
     (divided by bytes), rank 0 runs the structure checks; every rank returns the whole job's report."""
     g = group or Solo()
     rows, problems = [], []

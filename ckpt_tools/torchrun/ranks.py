@@ -9,7 +9,7 @@ through the shared file system; the coordination is small messages over the job'
   with other arguments than rank 0 is refused on every rank before anything is read or written;
 * :meth:`Group.lead`: rank 0 runs a step (staging ``--out``, creating the files, finishing and publishing) and
   the others get its result (or its failure);
-* :func:`~ckpt_tools.dist.divide.divide`: records (or tensors, or manifest ranges) divided among the ranks by bytes,
+* :func:`~ckpt_tools.torchrun.divide.divide`: records (or tensors, or manifest ranges) divided among the ranks by bytes,
   balanced, whole files first (a file larger than a rank's fair share is cut at record boundaries): no two ranks
   write one record, and the engine never writes outside its records' bytes (O_DIRECT only inside a run's aligned
   interior), so ranks sharing a file never touch each other's bytes;
@@ -83,7 +83,7 @@ def _what(e: BaseException) -> str:
 def _record_fail(store, msg: str, by_signal: bool) -> tuple[str, bool]:
     """Record the job's failure in ``store`` (the first one recorded wins: compare_set); returns the record
     (line, whether it is a rank's signal); our own when the store is gone."""
-    # one small request (dist/store.py): a line longer than 1000 characters is cut there
+    # one small request (torchrun/store.py): a line longer than 1000 characters is cut there
     mine = json.dumps({"line": msg if len(msg) <= 1000 else msg[:997] + "...", "signal": by_signal})
     try:
         return _decode_fail(store.compare_set("fail", "", mine))

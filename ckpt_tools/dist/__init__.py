@@ -1,2 +1,0 @@
-"""Running on every rank of a ``torchrun`` job: the ranks, their store, agreement and heartbeat
-(:mod:`~ckpt_tools.dist.ranks`), and how the work is divided among them (:mod:`~ckpt_tools.dist.divide`)."""
