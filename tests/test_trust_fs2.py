@@ -82,7 +82,7 @@ def test_user_dirs_named_like_our_staging_dirs_are_never_removed_or_restored(tin
 
 def test_stale_dirs_are_ours_only_by_record_and_dead_only_by_pid_and_start_time(tmp_path, capsys):
     out = str(tmp_path / "out")
-    me = json.loads(owner._identity(out, "partial"))  # this process: alive
+    me = json.loads(owner.ownership_record(out, "partial"))  # this process: alive
     cases = {"alive": (me, True), "reused_pid": ({**me, "start": me["start"] + 1}, False),
              "rebooted": ({**me, "boot_id": "another-boot"}, False), "other_host": ({**me, "host": "node-b"}, True),
              "other_out": ({**me, "out": "elsewhere", "pid": 1 << 22}, True), "not_json": ("x", True)}

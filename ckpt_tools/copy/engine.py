@@ -47,7 +47,7 @@ from ..integrity import hash_bytes, hash_range
 from ..layout import box_numel, box_shape, box_shift, box_slices
 from ..layout.blocks import scale_box
 from .dequant import SCRATCH_BYTES_PER_ELEM, dequant_into, scratch_elems
-from .fileio import EngineIO, _merge, anon_buffer, read_rec_box  # noqa: F401 (read_rec_box: engine API)
+from .fileio import EngineIO, anon_buffer, merge_runs, read_rec_box  # noqa: F401 (read_rec_box: engine API)
 from .plan import CFR_MIN, Block, EngineError, Op, Rec, Unit, contiguous_span, plan_units, span_box  # noqa: F401 (Op: engine API)
 
 
@@ -334,7 +334,7 @@ class Engine(EngineIO):
         self._wait_turn(unit)
         t1 = time.perf_counter()
         try:
-            runs = _merge(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None)
+            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None)
             self._read_runs(runs, path_of)
             for fd, off, bufs, _ in runs:  # in read order (the turnstile): each source range hashed as it streams
                 self._feed(path_of[fd], off, bufs)
@@ -377,7 +377,7 @@ class Engine(EngineIO):
             th = time.perf_counter()
             self._count("t_hash", th - t3)
             t3 = th
-        self._run_io([t for fd, off, bufs, n in _merge(writes) for t in self._write_tasks(fd, off, bufs, n)])
+        self._run_io([t for fd, off, bufs, n in merge_runs(writes) for t in self._write_tasks(fd, off, bufs, n)])
         self._count("t_write", time.perf_counter() - t3)
         for b in unit.blocks:
             if b.cfr:

@@ -97,7 +97,7 @@ def _gather(bufs: list, start: int, out):
 _JUNK = bytearray(256 << 10)  # where bytes read only to keep a stream sequential land (contents unused)
 
 
-def _merge(segs, limit_iov: int = 512, limit_bytes: int = 1 << 30, gap: int = 0, keep_gaps: bool = False):
+def merge_runs(segs, limit_iov: int = 512, limit_bytes: int = 1 << 30, gap: int = 0, keep_gaps: bool = False):
     """Sort (fd, file offset, buffer) segments and merge runs that are adjacent in the file - or, for reads,
     less than ``gap`` bytes apart, the gap read into a throwaway buffer (``keep_gaps``: a buffer of its own, so
     that every byte of the run is in memory for the source check) - into (fd, offset, [buffers], n): one

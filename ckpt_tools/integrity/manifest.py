@@ -230,12 +230,13 @@ def check_manifest(root: str, man: dict, progress=None) -> tuple[list[str], int]
                 if progress is not None:
                     progress(n)
                 if got != h:
-                    out.append(_mismatch(rel, off, n, what, got, h))
+                    out.append(checksum_mismatch(rel, off, n, what, got, h))
         finally:
             os.close(fd)
     return out, checked
 
 
-def _mismatch(rel: str, off: int, n: int, what: str, got: str, want: str) -> str:
+def checksum_mismatch(rel: str, off: int, n: int, what: str, got: str, want: str) -> str:
+    """The one line for a block whose hash is not the manifest's (also the source check's, while it streams)."""
     where = f" ({what})" if what and what != "-" else ""
     return f"{rel}: bytes {off}..{off + n}{where}: checksum {got} != {want} in {MANIFEST}"

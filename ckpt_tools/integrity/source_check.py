@@ -8,7 +8,7 @@ import threading
 import xxhash
 
 from ..core.errors import IntegrityError
-from .manifest import MANIFEST, _mismatch, check_sizes, hash_range
+from .manifest import MANIFEST, check_sizes, checksum_mismatch, hash_range
 
 
 class SourceCheck:
@@ -50,7 +50,7 @@ class SourceCheck:
                     if what == "-":
                         got = hash_range(fd, off, n, fp)
                         if got != h:
-                            out.append((rel, _mismatch(rel, off, n, what, got, h)))
+                            out.append((rel, checksum_mismatch(rel, off, n, what, got, h)))
                         self._done.add((rel, i))
             finally:
                 os.close(fd)
@@ -117,7 +117,7 @@ class SourceCheck:
             self._done.add(key)
             got = st[0].hexdigest()
             if got != h:
-                raise IntegrityError(_mismatch(rel, ro, rn, what, got, h))
+                raise IntegrityError(checksum_mismatch(rel, ro, rn, what, got, h))
 
     def finish(self):
         """Re-hash from the file every range that was read only in part or out of order."""
@@ -135,4 +135,4 @@ class SourceCheck:
             self.rehash_bytes += rn
             self._done.add((rel, i))
             if got != h:
-                raise IntegrityError(_mismatch(rel, ro, rn, what, got, h))
+                raise IntegrityError(checksum_mismatch(rel, ro, rn, what, got, h))

@@ -29,7 +29,8 @@ def _is_kind(path: str, kind: str) -> bool:
     return False
 
 
-def _strip(out: str) -> str:
+def strip_out(out: str) -> str:
+    """``--out`` without trailing slashes (``/`` stays ``/``): the name every suffix is added to."""
     s = out.rstrip("/")
     return s or out
 
@@ -66,7 +67,7 @@ def check_out(out: str, kind: str, overwrite: bool, inputs: dict | None = None, 
     """Refuse a dangerous or unusable ``--out`` before any work (see the module docstring)."""
     if out is None or not str(out).strip():
         raise error("--out is empty: give the output directory")
-    out = _strip(out)
+    out = strip_out(out)
     _check_name(out, error)
     if os.path.islink(out):
         raise error(f"--out {show(out)} is a symlink; give a real directory path (it is not followed)")
@@ -93,10 +94,12 @@ def check_out(out: str, kind: str, overwrite: bool, inputs: dict | None = None, 
     if os.path.isdir(out):
         if not overwrite:
             raise error(f"--out {show(out)} exists; pass --overwrite to replace it")
-        _check_replaceable(out, kind, error)
+        check_replaceable(out, kind, error)
 
 
-def _check_replaceable(out: str, kind: str, error=OutError):
+def check_replaceable(out: str, kind: str, error=OutError):
+    """An existing OUT that ``--overwrite`` may replace: a directory holding a ``kind`` checkpoint (or nothing) and
+    no file we would not write; checked again just before it is moved aside."""
     if os.path.islink(out) or not os.path.isdir(out):
         raise error(f"--out {show(out)} is not a directory; refusing to replace it")
     names = os.listdir(out)

@@ -30,14 +30,15 @@ def _start_time(pid) -> int | None:
 
 
 
-def _identity(out: str, what: str) -> bytes:
+def ownership_record(out: str, what: str) -> bytes:
     """The record proving that this process created a file or directory: pid, host, boot id and the
     process's start time (a reused pid has another start time)."""
     return json.dumps({"tool": _TOOL, "what": what, "out": os.path.basename(out), "pid": os.getpid(),
                        "host": socket.gethostname(), "boot_id": boot_id(), "start": _start_time("self")}).encode()
 
 
-def _parse_record(raw: bytes, out: str) -> dict | None:
+def parse_record(raw: bytes, out: str) -> dict | None:
+    """The ownership record in ``raw`` if it is one of ours for this OUT, else None."""
     try:
         rec = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -56,7 +57,7 @@ def _read_record(path: str, out: str) -> dict | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return _parse_record(os.pread(fd, 4096, 0), out)
+        return parse_record(os.pread(fd, 4096, 0), out)
     finally:
         os.close(fd)
 
@@ -71,7 +72,7 @@ def _owner_alive(rec: dict) -> bool | None:
     return start is not None and start == rec.get("start")
 
 
-def _own_dir(out: str, what: str) -> str:
+def create_owned_dir(out: str, what: str) -> str:
     """Create ``OUT.WHAT-PID`` (``OUT.WHAT-PID.N`` when that name is taken: never reused) holding our
     ownership record: only such a directory is ever removed or restored by a later run."""
     base = f"{out}.{what}-{os.getpid()}"
@@ -82,7 +83,7 @@ def _own_dir(out: str, what: str) -> str:
         except FileExistsError:
             continue
         try:
-            write_file(os.path.join(d, MARKER), _identity(out, what), sync=False)
+            write_file(os.path.join(d, MARKER), ownership_record(out, what), sync=False)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)  # created just now, by us
             raise

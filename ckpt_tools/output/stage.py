@@ -14,8 +14,8 @@ import threading
 
 from ..core.hold import hold_point
 from ..core.show import show
-from .guard import OutError, _check_replaceable, _strip, check_out
-from .owner import PREV, _identity, _own_dir, _parse_record, remove_stale
+from .guard import OutError, check_out, check_replaceable, strip_out
+from .owner import PREV, create_owned_dir, ownership_record, parse_record, remove_stale
 
 
 class BusyError(OSError):
@@ -61,7 +61,7 @@ def _lock(out: str) -> tuple[str, int]:
     foreign = (f"--out {show(out)}: {show(lp)} exists and is not a lock of ckpt-tools (%s); it is left as it is: "
                f"remove it or choose another --out")
     while True:
-        fd = _create_lock(lp, _identity(out, "lock"))
+        fd = _create_lock(lp, ownership_record(out, "lock"))
         if fd is not None:
             return lp, fd
         try:
@@ -79,12 +79,12 @@ def _lock(out: str) -> tuple[str, int]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                rec = _parse_record(os.pread(fd, 4096, 0), out) or {}
+                rec = parse_record(os.pread(fd, 4096, 0), out) or {}
                 raise BusyError(errno.EBUSY, f"another ckpt-tools run (pid {rec.get('pid', '?')}) is writing it "
                                              f"(lock {show(lp)})", f"--out {show(out)}") from None
             if not _same_file(lp, fd):
                 continue  # its holder removed it while we waited: try again
-            if _parse_record(os.pread(fd, 4096, 0), out) is None:
+            if parse_record(os.pread(fd, 4096, 0), out) is None:
                 raise OutError(foreign % "no ckpt-tools record in it")
             os.unlink(lp)  # ours, and its run is gone (we hold its flock): replace it
         finally:
@@ -100,14 +100,14 @@ def _unlock(lp: str, fd: int):
 def staging(out: str, overwrite: bool, error=ValueError, kind: str = "", inputs: dict | None = None) -> str:
     """Lock OUT, remove stale output of dead runs, create ``OUT.partial-PID`` (our record inside) and return
     the directory to write the output into: ``OUT.partial-PID/<name of OUT>``."""
-    out = _strip(out)
+    out = strip_out(out)
     check_out(out, kind, overwrite, inputs, error)
     lp, fd = _lock(out)
     own = None
     try:
         remove_stale(out)  # may restore OUT (a run that died replacing it)
         check_out(out, kind, overwrite, inputs, error)  # again, now that no other run can change it
-        own = _own_dir(out, "partial")
+        own = create_owned_dir(out, "partial")
         tmp = os.path.join(own, os.path.basename(out))
         os.mkdir(tmp)
         _HELD[tmp] = (lp, fd, out, overwrite, kind, own)
@@ -151,7 +151,7 @@ def publish(tmp: str, out: str, error=OutError):
     """Swap the finished ``tmp`` into place; an old ``out`` (``--overwrite``) is removed only after the rename,
     and only if it still is what ``check_out`` accepted. Releases the lock."""
     lp, fd, _, overwrite, kind, own = _HELD.pop(tmp)
-    out = _strip(out)
+    out = strip_out(out)
     with _signals_deferred():  # the two renames are not split by SIGINT/SIGTERM/SIGHUP
         try:
             _publish(tmp, out, error, overwrite, kind)
@@ -192,8 +192,8 @@ def _publish(tmp, out, error, overwrite, kind):
     if os.path.lexists(out):
         if not overwrite:
             _keep_conflict(tmp, out, error)
-        _check_replaceable(out, kind, error)
-        old = _own_dir(out, "old")  # our record inside: a later run restores OUT from it if we die now
+        check_replaceable(out, kind, error)
+        old = create_owned_dir(out, "old")  # our record inside: a later run restores OUT from it if we die now
         os.rename(out, os.path.join(old, PREV))
         hold_point("moved-aside")
     try:

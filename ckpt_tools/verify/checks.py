@@ -47,7 +47,7 @@ def check_one(view, progress: bool = True, group=None) -> dict:
             raise
         probs, loaders = [(str(e), True)], None
     problems, notes = [p for p, _ in probs], []
-    man, bad = _manifest(view.path)
+    man, bad = manifest_or_problems(view.path)
     problems += bad if g.lead_rank else []
     checked = unchecked = 0
     if man is None:
@@ -108,7 +108,7 @@ def _share(man: dict, g) -> dict:
     return {**man, "files": files}
 
 
-def _manifest(root: str):
+def manifest_or_problems(root: str):
     """(manifest or None, problems): a malformed manifest is a problem of the checkpoint, reported as such."""
     try:
         return load_manifest(root), []
@@ -120,7 +120,7 @@ def inspect_checks(view) -> dict:
     """What ``inspect`` reports without reading the data: :func:`structure_checks`, the manifest's presence
     and every listed file's size."""
     problems = [p for p, _ in structure_checks(view)[0]]
-    man, bad = _manifest(view.path)
+    man, bad = manifest_or_problems(view.path)
     problems += bad
     if bad:
         manifest = "unreadable (data not checked)"

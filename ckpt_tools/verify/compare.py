@@ -19,7 +19,7 @@ from ..integrity import SourceCheck
 from ..layout import box_shape, box_shift, box_slices, full_box, numel
 from ..torchrun.divide import divide
 from ..torchrun.ranks import Solo
-from .checks import _manifest, structure_checks
+from .checks import manifest_or_problems, structure_checks
 
 # bytes of working memory per compared element: both sides' read buffers and assembled copies, a cast of
 # each, the comparison mask and, on a mismatch, the float32 difference (measured: tests/test_trust_integrity.py)
@@ -92,7 +92,7 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
     rows, problems = [], []
     for v in (a, b) if g.lead_rank else ():  # single-side verify's structure checks (the data: compared here)
         probs, _ = structure_checks(v)
-        man, bad = _manifest(v.path)
+        man, bad = manifest_or_problems(v.path)
         probs += bad
         if man is not None:
             probs += [p for _, p in SourceCheck(v.path, man).precheck()]
