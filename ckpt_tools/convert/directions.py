@@ -27,7 +27,7 @@ from ..layout import (
     vllm_parallel,
 )
 from ..layout.model_config import load_config
-from ..output.guard import check_out
+from ..output.stage import Output
 from .driver import Job, Options, convert
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch dtype name (core.lazy)
@@ -50,7 +50,7 @@ def is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts):
+def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts):
     """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened."""
     par = megatron_parallel(cfg, **topo)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
@@ -68,7 +68,7 @@ def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_s
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
         return TorchDistDestination(layout, view, dt, side_car=side)
 
-    view, _, res = convert(Job(out, "mcore", label, inputs, src, open_src, destination), opts, FormatError)
+    view, _, res = convert(Job(out, label, src, open_src, destination), opts, FormatError)
     res.update(info)
     return view, res
 
@@ -77,17 +77,20 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
              vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
              divide="files", no_mtp=False) -> dict:
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
-    _guard(out, "mcore", {"--hf": hf}, opts)
+    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    output = _guarded(out, "mcore", overwrite, {"--hf": hf})
     cfg = load_config(hf, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
-    return _to_mcore(out, hf, "hf2mcore", {"--hf": hf}, lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
+    return _to_mcore(output, hf, "hf2mcore", lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
                      vocab_size_divisible_by, opts)[1]
 
 
-def _guard(out, kind, inputs, opts):
-    """``--out`` refused before the config is even read (the driver checks it again before any work)."""
-    check_out(out, kind, opts.overwrite, inputs, FormatError)
+def _guarded(out, kind, overwrite, inputs) -> Output:
+    """The direction's :class:`Output`, ``--out`` refused before the config is even read (the driver checks it again
+    before any work)."""
+    output = Output(out, kind, overwrite, inputs, FormatError)
+    output.check()
+    return output
 
 
 def _key_dtypes(layout, view):
@@ -126,14 +129,14 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
-    _guard(out, "mcore", inputs, opts)
+    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    output = _guarded(out, "mcore", overwrite, inputs)
     cfg = load_config(hf_config, no_mtp)
     if not is_mcore(src):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
-    view, res = _to_mcore(out, src, "reshard", inputs,
+    view, res = _to_mcore(output, src, "reshard",
                           lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
                           vocab_size_divisible_by, opts)
     res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
@@ -170,8 +173,8 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     if not hf_config:
         raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
-    _guard(out, "hf", inputs, opts)
+    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    output = _guarded(out, "hf", overwrite, inputs)
     cfg = load_config(hf_config, no_mtp)
     cache = max(64 << 20, max_memory // (4 * max(1, workers)))
     dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
@@ -182,7 +185,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size,
                              functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw, cfg.config_edits())
 
-    view, _, res = convert(Job(out, "hf", "mcore2hf", inputs, mcore,
+    view, _, res = convert(Job(output, "mcore2hf", mcore,
                                lambda: McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache), destination),
                            opts, FormatError)
     res.update(spec=view.spec, prefix=view.ckpt.prefix, dtype="+".join(sorted(set(map(str, dts.values())))))
@@ -205,9 +208,9 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
     vllm/model_executor/models/utils.py, its MTP draft is another model): the source is read as ``--no-mtp`` reads
     it, whatever ``no_mtp`` says, and the written config.json says so."""
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, overwrite, direct_io, io_threads, dist_timeout, divide)
+    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
-    _guard(out, "vllm", inputs, opts)
+    output = _guarded(out, "vllm", overwrite, inputs)
     try:
         version, names = vllm_names.table(vllm_version)
     except vllm_names.UnknownVersion as e:
@@ -226,7 +229,7 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
         return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,
                                version, _side_dir(hf_config or src), src)
 
-    view, _, res = convert(Job(out, "vllm", "reshard", inputs, src, lambda: open_source(src, hf_config, prefix, True),
+    view, _, res = convert(Job(output, "reshard", src, lambda: open_source(src, hf_config, prefix, True),
                                destination), opts, FormatError)
     res.update(mtp_left_out=view.cfg.mtp_dropped)
     return res
@@ -238,6 +241,6 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
                      label: str = "hf2mcore") -> dict:
     """Write ``layout`` filled from the view ``source`` to ``out_dir`` (:class:`TorchDistDestination` through
     the conversion driver, without a source integrity gate: the caller opened ``source``)."""
-    job = Job(out_dir, "mcore", label, inputs or {}, None, lambda: source,
+    job = Job(Output(out_dir, "mcore", overwrite, inputs, DistCkptError), label, None, lambda: source,
               lambda view: TorchDistDestination(layout, view, dtype))
-    return convert(job, Options(workers, max_memory, progress, overwrite, direct_io, io_threads), DistCkptError)[2]
+    return convert(job, Options(workers, max_memory, progress, direct_io, io_threads), DistCkptError)[2]

@@ -5,12 +5,13 @@ Every direction (``hf2mcore``, ``mcore2hf``, ``reshard --to mcore``, ``reshard -
 (a view, :mod:`ckpt_tools.formats.views`) and which :class:`~ckpt_tools.copy.destination.Destination` to lay out
 from it. :func:`convert` does, once:
 
-1. guard ``--out`` (:func:`~ckpt_tools.output.guard.check_out`, before any work);
+1. guard ``--out`` (:meth:`Output.check <ckpt_tools.output.stage.Output.check>`, before any work);
 2. open the source through its integrity gate (:func:`~ckpt_tools.verify.checked_source`: structure checks,
    its manifest's sizes and headers now, its data as the engine reads it);
 3. lay out the destination (every file at its final name and size, every record at its offset);
 4. stage (``OUT.partial-PID``, locked), create the files, copy with the engine, finish (metadata, index,
-   side files), write the manifest, publish atomically - or discard everything on any failure.
+   side files), write the manifest, publish atomically - or discard everything on any failure (the
+   :class:`~ckpt_tools.output.stage.Output`'s lifecycle).
 
 Under ``torchrun`` (or any launcher that sets the torch.distributed environment) the same steps run on every
 rank (:mod:`ckpt_tools.torchrun`): rank 0 stages, creates the files, finishes and publishes; the records are
@@ -29,8 +30,7 @@ from ..core.hold import hold_point
 from ..core.progress import Progress
 from ..integrity import unwritten, write_manifest
 from ..layout import numel
-from ..output.guard import check_out
-from ..output.stage import discard, publish, staging
+from ..output.stage import Output
 from ..torchrun import ranks
 from ..torchrun.divide import DIVIDE, divide, divide_in_order
 from ..torchrun.ranks import fingerprint
@@ -42,7 +42,6 @@ class Options(NamedTuple):
     workers: int = 2
     max_memory: int = 4 << 30
     progress: bool = True
-    overwrite: bool = False
     direct_io: bool = True
     io_threads: int = 8
     dist_timeout: float | None = None  # under torchrun: seconds a rank may be silent (None: the default)
@@ -50,14 +49,13 @@ class Options(NamedTuple):
 
 
 class Job(NamedTuple):
-    """One direction's run: ``open_source()`` -> view (called inside the integrity gate), ``destination(view)``
-    -> :class:`Destination`; ``source`` is the path the gate checks (None: ``open_source`` returns a view the
-    caller opened), ``label`` the progress bar's name."""
+    """One direction's run: ``out`` the :class:`Output` (``--out``, its kind, overwrite rule, the inputs it must not
+    touch), ``open_source()`` -> view (called inside the integrity gate), ``destination(view)`` ->
+    :class:`Destination`; ``source`` is the path the gate checks (None: ``open_source`` returns a view the caller
+    opened), ``label`` the progress bar's name."""
 
-    out: str
-    kind: str
+    out: Output
     label: str
-    inputs: dict
     source: str
     open_source: Callable
     destination: Callable
@@ -65,15 +63,15 @@ class Job(NamedTuple):
 
 def convert(job: Job, opts: Options, error=ValueError) -> tuple[object, Destination, dict]:
     """Run ``job`` - on one process, or on every rank of a torchrun job (:mod:`ckpt_tools.torchrun.ranks`);
-    returns (source view, destination, summary). ``error``: the exception class for a refused ``--out`` and
-    a failed copy (exit 2)."""
+    returns (source view, destination, summary). ``error``: the exception class for a failed copy (exit 2; a
+    refused ``--out`` raises ``job.out.error``)."""
     return ranks.on_ranks(lambda g: _convert(g or ranks.Solo(), job, opts, error), opts.dist_timeout)
 
 
 def _convert(g, job: Job, opts: Options, error):
     if opts.divide not in DIVIDE:
         raise InputError(f"--divide must be one of {', '.join(DIVIDE)} (got {opts.divide!r})")
-    check_out(job.out, job.kind, opts.overwrite, job.inputs, error)  # before any work
+    job.out.check()  # before any work
     if job.source is None:  # a view opened by the caller (library use): no gate
         view, check = job.open_source(), None
     else:
@@ -81,10 +79,10 @@ def _convert(g, job: Job, opts: Options, error):
     dest = job.destination(view)
     _check_complete(job, view, dest, error)  # before staging: no output that drops a tensor, or holds none
     finals = dest.prepare()  # before staging: what the finish needs, built and so validated now
-    g.agree("output plans", {"--out": os.path.abspath(job.out),  # by path: a rank in another directory is named
+    g.agree("output plans", {"--out": os.path.abspath(job.out.path),  # by path: a rank in another directory is named
                              "files": fingerprint(job.label, sorted(dest.files.items()), dest.total)})
     g.agree("--divide", opts.divide)  # in the command line already; the Python API has no command line
-    tmp = g.lead(lambda: staging(job.out, opts.overwrite, error, kind=job.kind, inputs=job.inputs), "staging")
+    tmp = g.lead(job.out.stage, "staging")
     t0 = time.time()
     bar = None
     try:
@@ -106,7 +104,7 @@ def _convert(g, job: Job, opts: Options, error):
         def finish():
             dest.finish(tmp, finals)
             write_manifest(tmp, [h for p in parts for h in p["hashes"]], skip=dest.manifest_skip)
-            publish(tmp, job.out, error)
+            job.out.publish()
 
         g.lead(finish, "publication")
     except BaseException:
@@ -114,9 +112,9 @@ def _convert(g, job: Job, opts: Options, error):
         if bar is not None:
             bar.close()
         if g.lead_rank:
-            discard(tmp)
+            job.out.discard()
         raise
-    res = {**dest.summary(), "out": job.out, "seconds": time.time() - t0, "engine": stats}
+    res = {**dest.summary(), "out": job.out.path, "seconds": time.time() - t0, "engine": stats}
     if g.world > 1:
         res["distributed"] = {"ranks": g.world, "rank": g.rank, "bytes_per_rank": [p["bytes"] for p in parts]}
     return view, dest, res
@@ -127,7 +125,7 @@ def _check_complete(job: Job, view, dest: Destination, error):
     source tensor than the tensor has: whatever the flags, every direction writes every element of every
     source tensor at least once (vocab padding and vLLM replicas only add). A gap would be zero-filled by
     the engine (it pads records no source covers, as for vocab padding rows) and published."""
-    out = f"--out {job.out}"
+    out = f"--out {job.out.path}"
     if not dest.files or dest.total <= 0:
         raise error(f"{out}: the output would hold no tensor data ({len(dest.files)} files, {dest.total} bytes "
                     f"of tensors): refused")

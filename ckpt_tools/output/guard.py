@@ -63,8 +63,10 @@ def _check_name(out: str, error):
                     f"with the suffixes ckpt-tools adds)")
 
 
-def check_out(out: str, kind: str, overwrite: bool, inputs: dict | None = None, error=OutError):
-    """Refuse a dangerous or unusable ``--out`` before any work (see the module docstring)."""
+def check_out(output):
+    """Refuse a dangerous or unusable ``--out`` before any work (see :mod:`ckpt_tools.output`): ``output`` is the
+    :class:`~ckpt_tools.output.stage.Output` (its path, kind, overwrite rule, inputs and error class)."""
+    out, error = output.path, output.error
     if out is None or not str(out).strip():
         raise error("--out is empty: give the output directory")
     out = strip_out(out)
@@ -79,7 +81,7 @@ def check_out(out: str, kind: str, overwrite: bool, inputs: dict | None = None, 
         raise error(f"--out {show(out)}: parent directory {show(parent)} does not exist")
     if os.path.basename(os.path.abspath(out)) in (".", "..") or _inside(os.path.realpath(os.getcwd()), rout):
         raise error(f"--out {show(out)} is the current directory or one above it; give a new directory")
-    for flag, p in (inputs or {}).items():
+    for flag, p in output.inputs.items():
         if not p:
             continue
         rin = os.path.realpath(p)
@@ -92,14 +94,15 @@ def check_out(out: str, kind: str, overwrite: bool, inputs: dict | None = None, 
         if _inside(rout, rin):
             raise error(f"--out {show(out)} is inside {flag} {show(p)}; write the output outside the input directory")
     if os.path.isdir(out):
-        if not overwrite:
+        if not output.overwrite:
             raise error(f"--out {show(out)} exists; pass --overwrite to replace it")
-        check_replaceable(out, kind, error)
+        check_replaceable(output)
 
 
-def check_replaceable(out: str, kind: str, error=OutError):
-    """An existing OUT that ``--overwrite`` may replace: a directory holding a ``kind`` checkpoint (or nothing) and
-    no file we would not write; checked again just before it is moved aside."""
+def check_replaceable(output):
+    """An existing OUT that ``--overwrite`` may replace: a directory holding a checkpoint of ``output``'s kind (or
+    nothing) and no file we would not write; checked again just before it is moved aside."""
+    out, kind, error = output.dir, output.kind, output.error
     if os.path.islink(out) or not os.path.isdir(out):
         raise error(f"--out {show(out)} is not a directory; refusing to replace it")
     names = os.listdir(out)
