@@ -113,13 +113,10 @@ class Output:
     def __init__(self, path: str, kind: str = "", overwrite: bool = False, inputs: dict | None = None,
                  error=OutError):
         self.path, self.kind, self.overwrite, self.inputs, self.error = path, kind, overwrite, inputs or {}, error
+        self.dir = strip_out(path) if isinstance(path, str) else path  # (check() refuses an empty or missing one)
         self.lock: Lock | None = None  # while staged: OUT.lock, held
         self.own: str | None = None  # while staged: our OUT.partial-PID (our ownership record inside)
         self.tmp: str | None = None  # OUT.partial-PID/<name of OUT>: where the output is written
-
-    @property
-    def dir(self) -> str:
-        return strip_out(self.path)
 
     def check(self):
         """Refuse a dangerous or unusable ``--out`` (:func:`~ckpt_tools.output.guard.check_out`)."""
