@@ -98,13 +98,14 @@ def _guard(out, kind, inputs, opts):
 
 
 def _key_dtypes(layout, view):
-    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32); a key
-    holding tensors of several dtypes (megatron stacks a norm of every layer in one key, fuses q, k, v) in the
-    narrowest dtype that holds them all exactly (bf16 with one fp16 tensor: fp32, recorded by :func:`_widened`);
-    where none does, refused before the copy (:func:`~ckpt_tools.formats.views.widest`)."""
+    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32; a
+    Megatron source's keys keep theirs); a key holding tensors of several dtypes (megatron stacks a norm of every
+    layer in one key, fuses q, k, v) in the narrowest dtype that holds them all exactly (bf16 with one fp16 tensor:
+    fp32, recorded by :func:`_widened`); where none does, refused before the copy
+    (:func:`~ckpt_tools.formats.views.widest`)."""
     srcs = {}
     for (key, _), segs in layout.segment_index().items():
-        srcs.setdefault(key, set()).update(view.source_dtype(sg.hf) for sg in segs)
+        srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
     return {k: widest(v) for k, v in srcs.items()}.__getitem__
 
 
