@@ -222,3 +222,16 @@ def test_derived_buffers_are_skipped_with_one_line(tmp_path, capsys):
     assert "2 derived buffer(s) skipped" in err[0] and "model.layers.*.self_attn.rotary_emb.inv_freq (2)" in err[0]
     rc, out, err = _cli(capsys, "verify", "--hf", d, "--mcore", mc, "--no-progress")
     assert rc == 0 and len(err) == 1 and "derived buffer" in err[0], (out, err)
+
+
+def test_a_vllm_side_needs_no_no_mtp(tmp_path, capsys):
+    """Item 2: an HF checkpoint whose config declares an MTP layer it does not hold (a main-model-only download)
+    reshards to vLLM (which never holds MTP layers), and verify against that output does not ask for --no-mtp."""
+    hf = make_tiny_hf(str(tmp_path / "hf"), model_type="glm4_moe", seed=7, dtype=torch.bfloat16)
+    c = json.load(open(os.path.join(hf, "config.json")))
+    c[MTP["glm4_moe"]] = 1
+    json.dump(c, open(os.path.join(hf, "config.json"), "w"))
+    v = tmp_path / "v"
+    assert _cli(capsys, "reshard", "--from", hf, "--to", "vllm", "--tp", "2", "--out", v, "--no-progress")[0] == 0
+    rc, out, err = _cli(capsys, "verify", "--hf", hf, "--vllm", v, "--no-progress")
+    assert rc == 0 and "OK" in out, (out, err)
