@@ -215,3 +215,12 @@ EXTRA_STATE = {
 # fp64) is refused where a source is opened (formats/views.check_weight_dtypes), before staging: a checkpoint
 # labelled I32 would otherwise convert as int32 without a word.
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
+
+# HF tensors a checkpoint may hold that transformers' own classes ignore on load, as regular expressions searched
+# in the name: derived buffers, not weights. transformers (5.19) modeling_utils.py
+# PreTrainedModel._adjust_missing_and_unexpected_keys adds ``rotary_emb\.inv_freq`` to the class's
+# ``_keys_to_ignore_on_load_unexpected`` for every model with a rotary ``inv_freq`` buffer (older transformers saved
+# it per layer, ``model.layers.N.self_attn.rotary_emb.inv_freq``); a source holding them is read without them (one
+# line lists them), any other unexpected tensor is still refused. tests/test_trust_dtypes.py checks each family's
+# list against transformers' own load of its tiny model.
+DERIVED_BUFFERS = (r"rotary_emb\.inv_freq",)

@@ -120,4 +120,4 @@ EXTRA_STATE = {
         _SA + "core_attention._extra_state", _SA + "linear_proj._extra_state"]),
     "mindspeed": c.EXTRA_STATE["mindspeed"],
 }
-WEIGHT_NAMES, WEIGHT_DTYPES = c.WEIGHT_NAMES, c.WEIGHT_DTYPES
+WEIGHT_NAMES, WEIGHT_DTYPES, DERIVED_BUFFERS = c.WEIGHT_NAMES, c.WEIGHT_DTYPES, c.DERIVED_BUFFERS

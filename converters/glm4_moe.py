@@ -66,4 +66,4 @@ MTP = [
 MTP_EXTRA_STATE = {"local": ["eh_proj._extra_state"], "mindspeed": [],
                    "te": ["enorm._extra_state", "hnorm._extra_state", "eh_proj._extra_state",
                           "final_layernorm._extra_state"]}
-WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES
+WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES, DERIVED_BUFFERS = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES, c.DERIVED_BUFFERS

@@ -34,4 +34,4 @@ LAYER = c.ATTENTION + [
     *c.experts("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
                "block_sparse_moe.experts.{e}.w2.weight", vllm_prefix="block_sparse_moe.experts."),
 ]
-WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES
+WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES, DERIVED_BUFFERS = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES, c.DERIVED_BUFFERS

@@ -46,4 +46,4 @@ LAYER = c.ATTENTION + [
          vllm=("mlp.gate.weight", "rep"), vllm_at={"0.32.0": "mlp.experts.gate.weight"}),
     *c.experts("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
 ] + c.DENSE_MLP
-WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES
+WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES, DERIVED_BUFFERS = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES, c.DERIVED_BUFFERS

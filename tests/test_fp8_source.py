@@ -244,11 +244,30 @@ BAD = {
 }
 
 
+def _scale_at(name, i, j, value):
+    """Tensor edit: the scale of ``name``'s block [i, j] set to ``value``."""
+    def edit(t):
+        t[name + "_scale_inv"][i, j] = value
+    return edit
+
+
+# issue 45 item 3: a scale no quantizer writes (amax / 448 >= 0) would turn its whole block into NaN / Inf /
+# sign-flipped weights: refused before the copy, naming the tensor and the block
+_BLOCK = f"{D}_scale_inv: block [1, 0] (rows 128..191, columns 0..127 of {D}) has scale"
+BAD.update({
+    "nan scale": (_scale_at(D, 1, 0, float("nan")), None, f"{_BLOCK} nan"),
+    "infinite scale": (_scale_at(D, 1, 0, float("inf")), None, f"{_BLOCK} inf"),
+    "negative scale": (_scale_at(D, 1, 0, -0.5), None, f"{_BLOCK} -0.5"),
+})
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_a_bad_fp8_source_is_one_line_and_nothing_is_written(fp8, tmp_path, capsys, case):
     tensors, config, msg = BAD[case]
     src = _mutate(fp8[1], str(tmp_path / "src"), tensors, config)
     cmds = [["hf2mcore", "--hf", src, "--out", tmp_path / "o", "--no-progress"]]
+    if case.endswith(" scale") and case.split()[0] in ("nan", "negative"):
+        cmds += [["reshard", "--from", src, "--tp", "2", "--out", tmp_path / "o", "--no-progress"]]
     if case == "missing scale":
         cmds += [["reshard", "--from", src, "--tp", "2", "--out", tmp_path / "o", "--no-progress"],
                  ["verify", "--hf", src, "--no-progress"], ["inspect", src]]
@@ -257,6 +276,24 @@ def test_a_bad_fp8_source_is_one_line_and_nothing_is_written(fp8, tmp_path, caps
         assert rc == 2 and len(err) == 1 and msg in err[0], (argv, err)
         assert not (tmp_path / "o").exists()
         assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
+
+
+def test_broken_scales_fail_verify_and_inspect_and_a_zero_scale_converts(fp8, tmp_path, capsys):
+    """Issue 45 item 3: verify (alone or against an output) and inspect report a NaN block scale as a problem of
+    the checkpoint, not OK; a zero scale (an all-zero block) is legitimate and converts, its block to zeros."""
+    bad = _mutate(fp8[1], str(tmp_path / "bad"), _scale_at(D, 1, 0, float("nan")))
+    good = str(tmp_path / "mc")
+    assert _cli(capsys, "hf2mcore", "--hf", fp8[1], "--out", good, "--no-progress")[0] == 0
+    for argv in (["verify", "--hf", bad, "--no-progress"], ["verify", "--hf", bad, "--mcore", good, "--no-progress"]):
+        rc, out, _ = _cli(capsys, *argv)
+        assert rc == 1 and "FAILED" in out and f"{_BLOCK} nan" in out, (argv, out)
+    rc, out, _ = _cli(capsys, "inspect", bad)
+    assert rc == 0 and f"{_BLOCK} nan" in out, out
+    zero = _mutate(fp8[1], str(tmp_path / "zero"), _scale_at(D, 1, 0, 0.0))
+    mc = str(tmp_path / "zmc")
+    assert _cli(capsys, "hf2mcore", "--hf", zero, "--out", mc, "--no-progress")[0] == 0
+    assert _cli(capsys, "verify", "--hf", zero, "--mcore", mc, "--no-progress")[0] == 0
+    assert HFView(zero).read(D)[128:, :128].count_nonzero() == 0
 
 
 # ------------------------------------------------------------------------------------------------ memory

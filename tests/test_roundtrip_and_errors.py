@@ -46,10 +46,15 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
     assert tuple(emb.size) == (384, 64) and emb.properties.dtype == torch.float32
     v = McoreView(mc, HFView(tiny_hf_bf16).cfg)
     assert v.integrity() == []
-    assert not verify(HFView(tiny_hf_bf16), v, progress=False)["ok"]  # a dtype difference is a difference
-    rep = verify(HFView(tiny_hf_bf16), v, progress=False, allow_cast=True)  # bf16 -> fp32 rounds nothing
-    assert rep["ok"] and rep["cast"] == 201 and rep["rounded"] == 0
-    convert.mcore2hf(mc, back, tiny_hf_bf16, dtype="bf16", progress=False)  # padding stripped
+    # the dtype rule (issue 45): the target stores every tensor wider, exactly (bf16 -> fp32): compared bit for bit
+    # after the widening, equal, with or without --allow-cast; nothing is a cast
+    for allow in (False, True):
+        rep = verify(HFView(tiny_hf_bf16), v, progress=False, allow_cast=allow)
+        assert rep["ok"] and rep["widened"] == 201 and rep["cast"] == 0 and rep["rounded"] == 0
+    assert json.load(open(os.path.join(mc, "ckpt_tools.json")))["source_dtypes"] == {
+        n: "bfloat16" for n in HFView(tiny_hf_bf16).names()}  # recorded: mcore2hf restores them
+    convert.mcore2hf(mc, back, tiny_hf_bf16, progress=False)  # padding stripped, the source's bf16 restored
+    assert HFView(back).dtype == torch.bfloat16
     assert verify(HFView(tiny_hf_bf16), HFView(back), progress=False)["ok"]
 
 

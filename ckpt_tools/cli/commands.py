@@ -14,12 +14,12 @@ from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_v
 from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, torch_dtype
 from ..formats.fp8 import BlockScaledReader, format_fp8
-from ..formats.torch_dist import SIDE_CAR
+from ..formats.torch_dist import SIDE_CAR, recorded_without_mtp
 from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
 from ..torchrun import ranks as distributed
-from ..verify import check_one, inspect_checks, print_one, print_report, verify
+from ..verify import check_one, inspect_checks, print_notes, print_one, print_report, verify
 
 
 def _prog(args) -> bool:
@@ -268,15 +268,23 @@ def cmd_verify(args) -> int:
         cfg_src = args.hf_config
     if not cfg_src and args.mcore and convert.is_mcore(args.mcore):
         cfg_src = find_hf_config(args.mcore, "verify")
-    cfg = load_config(cfg_src, args.no_mtp) if cfg_src else None
+    # a side that cannot hold the MTP layers (vLLM's main model) or was written without them (our record:
+    # hf2mcore --no-mtp) is compared on the main model only, as --no-mtp would: not asked for
+    no_mtp = args.no_mtp or (len(given) == 2 and (bool(args.vllm) or any(
+        recorded_without_mtp(p) for k, p in given if k == "mcore")))
+    cfg = load_config(cfg_src, no_mtp) if cfg_src else None
     if cfg is None and any(k == "mcore" for k, _ in given):
         print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
         return 2
+    if cfg is not None and len(given) == 1 and any(k == "mcore" and recorded_without_mtp(p) for k, p in given):
+        cfg = cfg.without_mtp()
     cache = max(16 << 20, args.max_memory // 4)
 
     def open_side(k, p):
         if k in ("hf", "hf2"):
-            return HFView(p, cfg)
+            v = HFView(p, cfg)
+            print_notes(v, "verify")
+            return v
         if k == "mcore":
             return McoreView(p, cfg, prefix=args.prefix, cache_bytes=cache)
         return VllmView(p, cfg)
@@ -364,8 +372,9 @@ def cmd_plan(args) -> int:
 
 def cmd_inspect(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
-    cfg = load_config(hf_config) if hf_config else None
+    cfg = load_config(hf_config, recorded_without_mtp(args.path)) if hf_config else None  # as it was written
     v = open_view(args.path, cfg)
+    print_notes(v, "inspect")
     info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
             "experts": v.cfg.experts, "tensors": len(v.shapes),
             "dtype": "+".join(sorted(f"torch.{n}" for n in v.dtype_names()))}

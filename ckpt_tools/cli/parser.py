@@ -71,7 +71,8 @@ def _add_mtp(p):
     p.add_argument("--no-mtp", action="store_true",
                    help="leave out the multi-token-prediction (MTP) layers the config declares (GLM-4.5, DeepSeek-V3): "
                         "not read, not written, the written config.json says 0 of them; without it a source that "
-                        "lacks them is refused (vLLM's main model never loads them: reshard --to vllm writes none)")
+                        "lacks them is refused (vLLM's main model never loads them: reshard --to vllm writes none); a Megatron "
+                        "output records it (ckpt_tools.json), and later commands on it read it so without the flag")
 
 
 def _add_dist(p):
@@ -180,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the full report as JSON to this path ('-' = stdout)")
     p.add_argument("--allow-cast", action="store_true",
                    help="compare tensors stored in different dtypes after casting both to the narrower one and "
-                        "count how many were rounded (default: a dtype difference is a difference)")
+                        "count how many were rounded (default: a dtype difference is a difference, except a Megatron or vLLM "
+                        "side's exact widening, e.g. bf16 -> fp32, compared bit for bit after it)")
     p.add_argument("--max-memory", type=SIZE, default="1GiB",
                    help="bound on the comparison buffers: tensors are compared in row blocks of about this "
                         "size / 24 elements (default 1GiB; resident memory is this plus the interpreter)")

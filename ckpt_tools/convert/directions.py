@@ -11,10 +11,10 @@ import os
 from converters import vllm_names
 
 from ..copy.plan import Op
-from ..core.lazy import torch, torch_dtype
+from ..core.lazy import dtype_name, torch, torch_dtype
 from ..formats.hf import HFDestination
-from ..formats.torch_dist import DistCkptError, TorchDistDestination
-from ..formats.views import FormatError, HFView, McoreView, open_view, widest
+from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
+from ..formats.views import FormatError, HFView, McoreView, exact_widening, open_view, widest
 from ..formats.vllm_format import VllmDestination
 from ..layout import (
     LayoutError,
@@ -63,6 +63,13 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
         side = {"source": os.path.abspath(src), "spec": spec, "dtype": info["dtype"], "pp": par.pp, "tp": par.tp,
                 "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage), "world": par.world,
                 "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}
+        # what a later command must know of how this checkpoint was made (formats.torch_dist.read_side_car):
+        # written without the config's MTP layers; the tensors stored wider than their HF source stored them
+        if cfg.mtp_dropped:
+            side["mtp_left_out"] = cfg.mtp_dropped
+        widened = _widened(layout, view, dt)
+        if widened:
+            side["source_dtypes"] = widened
         if label == "reshard":
             info.update(dropped=len(_dropped(view)))
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
@@ -94,11 +101,29 @@ def _guarded(out, kind, overwrite, inputs) -> Output:
 
 
 def _key_dtypes(layout, view):
-    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32)."""
+    """Default dtype: each Megatron key in the dtype its source tensors are stored in (fp32 norms stay fp32; a
+    Megatron source's keys keep theirs); a key holding tensors of several dtypes (megatron stacks a norm of every
+    layer in one key, fuses q, k, v) in the narrowest dtype that holds them all exactly (bf16 with one fp16 tensor:
+    fp32, recorded by :func:`_widened`); where none does, refused before the copy
+    (:func:`~ckpt_tools.formats.views.widest`)."""
     srcs = {}
     for (key, _), segs in layout.segment_index().items():
         srcs.setdefault(key, set()).update(view.dtype_of(sg.hf) for sg in segs)
     return {k: widest(v) for k, v in srcs.items()}.__getitem__
+
+
+def _widened(layout, view, dt) -> dict:
+    """HF tensor -> its source dtype's name, for each tensor the output stores in a dtype that holds its source
+    dtype exactly and is wider (megatron's fp32 router bias of a bf16 one; a key fusing bf16 and fp16): the
+    output's record, from which mcore2hf restores the source's dtype (the dtype rule, README)."""
+    key_dt = dt if callable(dt) else (lambda _k: dt)
+    out = {}
+    for (key, _), segs in layout.segment_index().items():
+        for sg in segs:
+            src = view.source_dtype(sg.hf)
+            if exact_widening(src, key_dt(key)):
+                out[sg.hf] = dtype_name(src)
+    return dict(sorted(out.items()))
 
 
 def _fixed_dtypes(tensors: dict, dt):
@@ -131,7 +156,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     inputs = {"--from": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     output = _guarded(out, "mcore", overwrite, inputs)
-    cfg = load_config(hf_config, no_mtp)
+    cfg = load_config(hf_config, no_mtp or recorded_without_mtp(src))
     if not is_mcore(src):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
@@ -175,13 +200,13 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     output = _guarded(out, "hf", overwrite, inputs)
-    cfg = load_config(hf_config, no_mtp)
+    cfg = load_config(hf_config, no_mtp or recorded_without_mtp(mcore))  # written with --no-mtp: read so
     cache = max(64 << 20, max_memory // (4 * max(1, workers)))
-    dt = _dtype(dtype, None)  # None: each tensor in its stored dtype
+    dt = _dtype(dtype, None)  # None: each tensor in its source's dtype (the dtype rule: McoreView.source_dtype)
     dts = {}
 
     def destination(view):
-        dts.update((n, dt or view.dtype_of(n)) for n in view.names())
+        dts.update((n, dt or view.source_dtype(n)) for n in view.names())
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size,
                              functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw, cfg.config_edits())
 
@@ -193,6 +218,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
 
 
 def open_source(path: str, hf_config: str | None, prefix=None, no_mtp=False):
+    no_mtp = no_mtp or recorded_without_mtp(path)
     cfg = load_config(hf_config or path, no_mtp) if hf_config or no_mtp else None
     return open_view(path, cfg, prefix=prefix)
 
@@ -224,7 +250,7 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
         def dt_of(ts):
             if ts.dtype:  # fixed by the table (vLLM's fp32 router weights)
                 return getattr(torch, ts.dtype)
-            return dt or widest(view.dtype_of(sg.hf) for sg in ts.segments) or torch.bfloat16
+            return dt or widest(view.source_dtype(sg.hf) for sg in ts.segments) or torch.bfloat16
 
         return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,
                                version, _side_dir(hf_config or src), src)

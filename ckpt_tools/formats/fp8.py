@@ -23,6 +23,8 @@ import os
 import re
 from collections import Counter
 
+import numpy as np
+
 from ..copy.dequant import FP8_FORMATS, dequant_into
 from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, dtype_name, torch
@@ -122,6 +124,41 @@ class BlockScaledReader(HFReader):
         s = self._read_rec(rec.scale, scale_box(box, self.block))
         out = torch.empty(box_shape(box), dtype=torch.bfloat16)
         dequant_into(out, x, s, box, self.block)
+        return out
+
+    def bad_scales(self, limit: int = 1) -> list[str]:
+        """Every block scale finite and >= 0 (zero allowed: an all-zero block), else one problem naming the scale
+        and its first bad block. No quantizer writes another (DeepSeek's ``act_quant`` / ``weight_quant`` and
+        fp8_cast_bf16.py: ``s = amax / 448``, amax >= 0); a NaN, infinite or negative scale would dequantize its
+        whole block to NaN / Inf / sign-flipped weights. Cheap: the scales are 4 bytes per block of
+        ``rows x columns`` FP8 bytes (1/4096 of the weights' bytes for 128 x 128), read with numpy (no torch:
+        inspect stays torch-free), one file descriptor per file."""
+        out, fds = [], {}
+        bm, bn = self.block
+        try:
+            for w, sk in sorted(self.scale_of.items()):
+                fp, off, shp, dt = self._rec_args[sk]
+                fd = fds.get(fp)
+                if fd is None:
+                    fd = fds[fp] = os.open(fp, os.O_RDONLY)
+                n = ITEMSIZE[dt] * shp[0] * shp[1]
+                raw = os.pread(fd, n, off)
+                if len(raw) != n:
+                    raise HFError(f"{fp}: truncated: {sk} needs bytes up to {off + n}")
+                a = np.frombuffer(raw, dtype="<f4")
+                bad = np.flatnonzero(~(np.isfinite(a) & (a >= 0)))  # -0.0 >= 0: allowed, as zero
+                if bad.size:
+                    i, j = divmod(int(bad[0]), shp[1])
+                    rows, cols = self.meta[w][1]
+                    out.append(f"{sk}: block [{i}, {j}] (rows {i * bm}..{min((i + 1) * bm, rows) - 1}, columns "
+                               f"{j * bn}..{min((j + 1) * bn, cols) - 1} of {w}) has scale {float(a[bad[0]])!r}"
+                               + (f" (+{bad.size - 1} more blocks)" if bad.size > 1 else "")
+                               + ": a block scale must be finite and >= 0 (no quantizer writes another)")
+                    if len(out) >= limit:
+                        break
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         return out
 
     def summary(self) -> dict:

@@ -34,6 +34,27 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
 
+def read_side_car(path: str) -> dict:
+    """The ``ckpt_tools.json`` record of how a torch_dist checkpoint of ours was written ({} for any other: a
+    checkpoint megatron saved, or one whose record is unreadable - nothing is then assumed about it). Fields a
+    later command honours: ``mtp_left_out`` (written with --no-mtp: the MTP layers the config declares are not
+    in it) and ``source_dtypes`` (HF tensor -> the dtype its source stored, for those widened here)."""
+    fp = os.path.join(path, SIDE_CAR)
+    try:
+        with open(fp) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def recorded_without_mtp(path: str) -> bool:
+    """``path`` is a torch_dist checkpoint of ours written without the MTP layers its config declares (--no-mtp,
+    recorded as ``mtp_left_out``): every later command reads it as --no-mtp reads it."""
+    n = read_side_car(path).get("mtp_left_out")
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
 class DistCkptError(InputError):
     pass
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+from collections import Counter
 
 import numpy as np
 
@@ -17,7 +19,7 @@ from converters.vllm_names import file_name
 
 from ..core.errors import InputError
 from ..core.files import read_json
-from ..core.lazy import dtype_name, torch, torch_dtype
+from ..core.lazy import ITEMSIZE, dtype_name, torch, torch_dtype
 from ..layout import (
     SPECS,
     Box,
@@ -37,7 +39,7 @@ from ..layout import (
 from ..layout.model_config import ModelConfig, load_config
 from .fp8 import open_reader
 from .hf import HFError, HFReader
-from .torch_dist import DistCkptError
+from .torch_dist import DistCkptError, read_side_car
 from .torch_dist_reader import TorchDistReader
 from .vllm_format import VLLM_META, vllm_shard_files
 
@@ -64,6 +66,15 @@ def _holds(a: torch.dtype, b: torch.dtype) -> bool:
         return b == torch.bool
     ia, ib = torch.iinfo(a), torch.iinfo(b)
     return ia.min <= ib.min and ia.max >= ib.max
+
+
+def exact_widening(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """``wide`` holds every value of ``narrow`` (another dtype of the same kind): a cast from ``narrow`` to ``wide``
+    is exact (bf16 or fp16 -> fp32), so values compared after it are compared bit for bit."""
+    try:
+        return narrow != wide and narrow.is_floating_point == wide.is_floating_point and _holds(wide, narrow)
+    except TypeError:
+        return False
 
 
 def widest(dtypes) -> torch.dtype | None:
@@ -102,6 +113,22 @@ def _mtp_hint(cfg: ModelConfig, missing: list) -> str:
     return ""
 
 
+def derived_buffers(cfg: ModelConfig):
+    """name -> True for a tensor transformers' own classes ignore on load (the family's ``DERIVED_BUFFERS``,
+    converters/common.py: e.g. ``rotary_emb.inv_freq``): a source may hold them; they are not weights."""
+    pats = getattr(converters.get(cfg.model_type), "DERIVED_BUFFERS", ())
+    if not pats:
+        return lambda name: False
+    rx = re.compile("|".join(f"({p})" for p in pats))
+    return lambda name: rx.search(name) is not None
+
+
+def name_patterns(names) -> str:
+    """``model.layers.*.self_attn.rotary_emb.inv_freq (6)``: names with their layer / expert numbers as ``*``."""
+    pats = Counter(re.sub(r"(?<=\.)\d+(?=\.)", "*", n) for n in names)
+    return ", ".join(f"{p} ({n})" if n > 1 else p for p, n in sorted(pats.items()))
+
+
 class HFView:
     kind = "hf"
 
@@ -110,9 +137,12 @@ class HFView:
         self.cfg = cfg or load_config(path)
         self.reader = open_reader(path, self.cfg.raw)  # block-scaled FP8 read as bf16: formats/fp8.py
         self.shapes = hf_shapes(self.cfg)
+        mtp, derived = dropped(self.cfg), derived_buffers(self.cfg)
+        # derived buffers (rotary inv_freq) the checkpoint holds beyond the model's tensors: read without them
+        self.skipped = sorted(n for n in self.reader.meta if n not in self.shapes and not mtp(n) and derived(n))
         # None when the tensors' dtypes differ; the tensors of MTP layers left out (--no-mtp) may be there
         try:
-            self.dtype_name = self.reader.validate(self.shapes, ignore=dropped(self.cfg))
+            self.dtype_name = self.reader.validate(self.shapes, ignore=lambda n: mtp(n) or derived(n))
         except HFError as e:
             raise HFError(str(e) + _mtp_hint(self.cfg, [n for n in self.shapes if n not in self.reader.meta])) from None
         check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype_name(n)) for n in self.shapes))
@@ -132,6 +162,17 @@ class HFView:
     def dtype_of(self, name: str) -> torch.dtype:
         return self.reader.dtype(name)
 
+    def source_dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` had in the HF checkpoint it came from: here, its own."""
+        return self.reader.dtype(name)
+
+    def notes(self) -> list[str]:
+        """What opening the checkpoint left out on purpose, one line each (commands print them on stderr)."""
+        if not self.skipped:
+            return []
+        return [f"{self.path}: {len(self.skipped)} derived buffer(s) skipped, which transformers ignores on load "
+                f"(not weights): {name_patterns(self.skipped)}"]
+
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
         return self.reader.read(name, box)
 
@@ -144,7 +185,9 @@ class HFView:
         yield self.reader.records()[name], box, box
 
     def integrity(self) -> list[str]:
-        return []
+        """FP8 block scales: each finite and >= 0 (:meth:`BlockScaledReader.bad_scales`)."""
+        fn = getattr(self.reader, "bad_scales", None)
+        return fn() if fn is not None else []
 
 
 class McoreView:
@@ -180,6 +223,20 @@ class McoreView:
         dts = {self.ckpt.dtype(k) for k in self.layout.tensors}
         self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
+        self.record = read_side_car(path)
+        recorded = self.record.get("source_dtypes")
+        self.source_dtypes = recorded if isinstance(recorded, dict) else {}
+
+    def source_dtype(self, name: str) -> torch.dtype:
+        """The dtype HF tensor ``name`` had in the HF checkpoint this one was made from, where our record
+        (``ckpt_tools.json``: ``source_dtypes``) says it was widened to the stored dtype; else the stored dtype."""
+        got = self.source_dtypes.get(name)
+        stored = self.dtype_of(name)
+        if isinstance(got, str) and got in ITEMSIZE:
+            src = torch_dtype(got)
+            if exact_widening(src, stored):
+                return src
+        return stored
 
     def dtype_names(self) -> set:
         """The stored dtypes' names (torch's: core.lazy) of the model's keys."""
@@ -312,7 +369,8 @@ class VllmView:
             self.version, self.name_table = vllm_names.table(meta["vllm_version"])
         except vllm_names.UnknownVersion as e:
             raise FormatError(f"{path}: {VLLM_META}: {e}") from None
-        self.cfg = cfg or load_config(os.path.join(path, "config.json"))
+        # vLLM's main model never holds MTP layers (reshard leaves them out): whatever config it is read with
+        self.cfg = (cfg or load_config(os.path.join(path, "config.json"))).without_mtp()
         try:  # the rule reshard writes by: a record of no rank (e.g. "dp": 0) is not a layout
             self.par = vllm_parallel(meta.get("tp"), meta.get("dp", 1), meta.get("expert_parallel", False),
                                      flags=RECORD_FIELDS)
@@ -396,6 +454,8 @@ class VllmView:
 
     def dtype_of(self, name: str) -> torch.dtype:
         return widest(self.readers[r].dtype(seg.key) for r, seg in self.hf_index[name])
+
+    source_dtype = dtype_of
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         """First copy of each region (replicated regions are compared rank by rank in verify)."""

@@ -3,8 +3,16 @@ alone, and the gate every conversion's source passes (:mod:`~ckpt_tools.verify.c
 importable from ``ckpt_tools.verify``."""
 from __future__ import annotations
 
-from .checks import check_one, checked_source, inspect_checks, missing_manifest, print_one, structure_checks
+from .checks import (
+    check_one,
+    checked_source,
+    inspect_checks,
+    missing_manifest,
+    print_notes,
+    print_one,
+    structure_checks,
+)
 from .compare import compare_dtype, equal_bits, print_report, verify, write_json
 
 __all__ = ["check_one", "checked_source", "compare_dtype", "equal_bits", "inspect_checks", "missing_manifest",
-           "print_one", "print_report", "structure_checks", "verify", "write_json"]
+           "print_notes", "print_one", "print_report", "structure_checks", "verify", "write_json"]

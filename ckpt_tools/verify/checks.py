@@ -182,4 +182,11 @@ def checked_source(path: str, open_view, cmd: str):
         fail(FormatError, "", bad)
     for p in warn + [p for p, _ in probs]:
         print(f"ckpt-tools {cmd}: warning: {path}: {p} (not used by this conversion)", file=sys.stderr)
+    print_notes(view, cmd)
     return view, check
+
+
+def print_notes(view, cmd: str):
+    """What opening ``view`` left out on purpose (derived buffers: :meth:`HFView.notes`), one line each on stderr."""
+    for n in getattr(view, "notes", lambda: [])():
+        print(f"ckpt-tools {cmd}: note: {n}", file=sys.stderr)

@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 from ..copy.plan import row_blocks
 from ..core.lazy import dtype_name, torch
-from ..formats.views import VllmView
+from ..formats.views import VllmView, exact_widening
 from ..integrity import SourceCheck
-from ..layout import box_shape, box_shift, box_slices, full_box, numel
+from ..layout import box_shape, box_shift, box_slices, dropped, full_box, numel
 from ..torchrun.divide import divide
 from ..torchrun.ranks import Solo
 from .checks import manifest_or_problems, structure_checks
@@ -50,12 +50,29 @@ def compare_dtype(da: torch.dtype, db: torch.dtype) -> torch.dtype:
     return db if db.itemsize < da.itemsize else da
 
 
-class _Cmp:
-    """Accumulates one tensor's comparison over its blocks."""
+# The kinds of checkpoint whose layout may store a tensor wider than its HF source: megatron's fp32 router bias
+# (``expert_bias``, one dtype per stacked or fused key), vLLM's fp32 router weight / bias (converters' ``dtype`` /
+# ``vllm_dtype``). An HF checkpoint is a source or an export of one: its dtypes are the source's (mcore2hf
+# restores them), so between two HF-named sides a dtype difference stays a difference.
+WIDENING_TARGETS = ("mcore", "vllm")
 
-    def __init__(self, da, db, allow_cast):
+
+class _Cmp:
+    """Accumulates one tensor's comparison over its blocks. The dtype rule (README, "dtype rule"): where one side
+    is a target (``WIDENING_TARGETS``) storing the tensor in a dtype that holds every value of the other side's
+    (bf16 / fp16 -> fp32), the narrower side is widened - exactly - and the two compared bit for bit: equal, as
+    "widened to the target's float32"; a value the narrower dtype does not hold is a difference. Any other dtype
+    difference is a cast (a difference unless --allow-cast, then compared in the narrower dtype)."""
+
+    def __init__(self, da, db, allow_cast, kinds=("hf", "hf")):
         self.da, self.db = da, db
-        self.cast = da != db
+        self.widen = None  # the target's dtype the other side is widened to, exactly
+        if da != db:
+            if kinds[1] in WIDENING_TARGETS and exact_widening(da, db):
+                self.widen = db
+            elif kinds[0] in WIDENING_TARGETS and exact_widening(db, da):
+                self.widen = da
+        self.cast = da != db and self.widen is None
         self.cmp = compare_dtype(da, db) if self.cast else None
         self.wide = (da if self.cmp == db else db) if self.cast else None
         self.equal, self.rounded, self.mismatched, self.max_abs = True, False, 0, 0.0
@@ -64,7 +81,9 @@ class _Cmp:
         if x.shape != y.shape:
             self.equal = False
             return
-        if self.cast:
+        if self.widen is not None:  # exact: every value of the narrower dtype is one of the wider
+            x, y = x.to(self.widen), y.to(self.widen)
+        elif self.cast:
             w = x if x.dtype == self.wide else y
             if not self.rounded and not torch.equal(_bits(w.to(self.cmp).to(self.wide)), _bits(w)):
                 self.rounded = True
@@ -83,9 +102,11 @@ def _blocks(box, itemsize_hint: int, max_memory: int):
 
 
 def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: int = 1 << 30, group=None) -> dict:
-    """Compare view ``a`` with view ``b`` block by block, each side in its own stored dtype: a dtype difference
-    is a difference unless ``allow_cast`` (then both are compared in the narrower dtype and the tensors whose
-    values that rounds are counted). Returns a report dict with ``ok``, per-tensor rows and problems.
+    """Compare view ``a`` with view ``b`` block by block, each side in its own stored dtype: where a target
+    (Megatron, vLLM) stores a tensor wider than the other side, the narrower side is widened exactly and the two
+    compared bit for bit (the dtype rule: :class:`_Cmp`); any other dtype difference is a difference unless
+    ``allow_cast`` (then both are compared in the narrower dtype and the tensors whose values that rounds are
+    counted). Returns a report dict with ``ok``, per-tensor rows and problems.
     ``group`` (:mod:`ckpt_tools.torchrun.ranks`, under torchrun): each rank compares its share of the tensors
     (divided by bytes), rank 0 runs the structure checks; every rank returns the whole job's report."""
     g = group or Solo()
@@ -97,7 +118,12 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
         if man is not None:
             probs += [p for _, p in SourceCheck(v.path, man).precheck()]
         problems += [f"{v.kind} {v.path}: {p}" for p in probs]
-    if a.cfg.raw and b.cfg.raw and set(a.shapes) != set(b.shapes):
+    # the MTP layers one side was written without (--no-mtp, recorded; a vLLM model never holds them) are out of
+    # the comparison on both sides
+    out_a, out_b = dropped(a.cfg), dropped(b.cfg)
+    names_a = [n for n in a.names() if not (out_a(n) or out_b(n))]
+    names_b = [n for n in b.names() if not (out_a(n) or out_b(n))]
+    if a.cfg.raw and b.cfg.raw and set(names_a) != set(names_b):
         problems.append("the two sides describe different models (tensor sets differ)")
     vl = a if isinstance(a, VllmView) else b if isinstance(b, VllmView) else None
     tasks = []  # (what, bytes, function -> row), in report order
@@ -110,12 +136,12 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
                 tasks.append((n, numel(ts.shape) * 2, functools.partial(_vllm_row, vl, other, r, n, ts, allow_cast,
                                                                           max_memory)))
     else:
-        for n in a.names():
+        for n in names_a:
             if n not in b.shapes:
                 tasks.append((n, 0, functools.partial(dict, tensor=n, equal=False, why="missing on the second side")))
             else:
                 tasks.append((n, numel(a.shapes[n]), functools.partial(_row, a, b, n, allow_cast, max_memory)))
-        for n in b.names():
+        for n in names_b:
             if n not in a.shapes:
                 tasks.append((n, 0, functools.partial(dict, tensor=n, equal=False, why="missing on the first side")))
     owner = divide([(what, size) for what, size, _ in tasks], g.world)
@@ -130,7 +156,8 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
     if not rows:  # nothing compared is not "no difference": every tensor the config implies is uncovered
         problems = problems + ["0 tensors compared: nothing was checked (a coverage gap, not a match)"]
     return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
-            "cast": sum(1 for r in rows if r.get("cast")), "rounded": sum(1 for r in rows if r.get("rounded")),
+            "cast": sum(1 for r in rows if r.get("cast")), "widened": sum(1 for r in rows if r.get("widened")),
+            "rounded": sum(1 for r in rows if r.get("rounded")),
             "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
             "tensors": rows}
 
@@ -145,7 +172,7 @@ def _vllm_row(vl, other, r, n, ts, allow_cast, max_memory) -> dict:
         whole = vl.rank_tensor(r, n)
     for seg in ts.segments:
         do = other.dtype_of(seg.hf)
-        c = _Cmp(do, dv, allow_cast)
+        c = _Cmp(do, dv, allow_cast, (other.kind, vl.kind))
         cmps.append(c)
         if c.cast and not allow_cast:
             continue
@@ -168,7 +195,7 @@ def _row(a, b, n, allow_cast, max_memory) -> dict:
     """Tensor ``n`` of ``a`` against ``b``'s."""
     da, db = a.dtype_of(n), b.dtype_of(n)
     row = {"tensor": n, "shape": list(a.shapes[n]), "dtype": f"{da}/{db}".replace("torch.", "")}
-    c = _Cmp(da, db, allow_cast)
+    c = _Cmp(da, db, allow_cast, (a.kind, b.kind))
     if not (c.cast and not allow_cast):
         for sub in _blocks(full_box(a.shapes[n]), 4, max_memory):
             c.add(a.read(n, sub), b.read(n, sub))
@@ -184,6 +211,9 @@ def _finish(row, cmps, allow_cast, zeros_ok=True):
                                     f"(a cast; --allow-cast compares the values)")
         return
     row["equal"] = zeros_ok and all(c.equal for c in cmps)
+    widened = sorted({dtype_name(c.widen) for c in cmps if c.widen is not None})
+    if widened:
+        row["widened"] = "+".join(widened)
     if cast:
         row["cast"] = True
         row["rounded"] = any(c.rounded for c in cast)
@@ -201,6 +231,8 @@ def print_report(rep: dict, out, limit: int = 40):
     print(f"{'tensor':<{w}}  {'shape':<22} {'dtype':<26} result", file=out)
     for r in shown:
         res = "EQUAL" if r["equal"] else "DIFF " + r.get("why", f"max|d|={r.get('max_abs_diff')} n={r.get('mismatched')}")
+        if r["equal"] and r.get("widened"):
+            res += f" (widened to the target's {r['widened']})"
         if r["equal"] and r.get("cast"):
             res += " (after a cast" + (", rounded)" if r.get("rounded") else ")")
         print(f"{r['tensor']:<{w}}  {str(r.get('shape', '')):<22} {r.get('dtype', ''):<26} {res}", file=out)
@@ -210,6 +242,9 @@ def print_report(rep: dict, out, limit: int = 40):
         print(f"PROBLEM: {p}", file=out)
     verdict = "OK" if rep["ok"] else "FAILED"
     cast = ""
+    if rep.get("widened"):
+        cast += (f"; {rep['widened']} of them stored wider by the target, compared bit for bit after the exact "
+                 f"widening")
     if rep.get("cast"):
         cast = (f"; {rep['cast']} compared after a cast to the narrower dtype (--allow-cast), "
                 f"{rep['rounded']} of them rounded")
