@@ -102,7 +102,7 @@ def _flat(tensors: list, dtype, scratch: dict) -> torch.Tensor:
         buf = scratch[str(dev)] = torch.empty(max(n, buf.numel() if buf is not None else 0), dtype=dtype, device=dev)
     out = buf[:n]
     tensors = [t.detach() for t in tensors]  # (live parameters require grad; out= refuses them)
-    if all(t.dtype == dtype for t in tensors):
+    if all(t.dtype == dtype and t.is_contiguous() for t in tensors):
         torch.cat([t.reshape(-1) for t in tensors], out=out)
     else:
         o = 0
@@ -130,7 +130,8 @@ def checked_digest_run(tensors: list, dtype, scratch: dict) -> torch.Tensor:
             return digest_host(tensors, dtype)
         if not tensors:
             return digest(torch.empty(0, dtype=dtype), dtype)
-        return digest(tensors[0] if len(tensors) == 1 else _flat(tensors, dtype, scratch), dtype)
+        one = len(tensors) == 1 and tensors[0].is_contiguous()  # (a strided one: copied into the flat buffer,
+        return digest(tensors[0] if one else _flat(tensors, dtype, scratch), dtype)  # not into a fresh one)
     except Exception as e:  # noqa: BLE001
         raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of {len(tensors)} tensor(s) failed "
                         f"({type(e).__name__}: {_one_line(e)})") from None

@@ -389,7 +389,7 @@ class _Step:
             # while they run: the full-shape HF tensors this bucket needs, the self copies, the digests of what is sent
             full = self._full_tensors(selfs + [p for ps in recvs.values() for p in ps])
             ta = time.perf_counter()
-            self._self_copies(b, selfs, full)
+            own = self._self_copies(b, selfs, full)
             self._timed("apply_seconds", ta)
             tv = time.perf_counter()
             for dst, new in news.items():
@@ -402,9 +402,8 @@ class _Step:
                 if self.delta:
                     sync_delta.keep_shadow(st.shadow, (b, dst), new, mode, idx, vals, self.shadow_host,
                                            self.device_path)
-            if self.verify and selfs:
-                mine = checked_digest_run([self.src_view(p) for p in selfs], dtype, self.scratch)
-                self.sent_digests[rank].append((b, mine))
+            if self.verify and selfs:  # the elements just copied, as the receiver side reads them: in message order
+                self.sent_digests[rank].append((b, digest(own)))
             self._timed("verify_seconds", tv)
             tt = time.perf_counter()
             self._wait_all(b, works, sends, recvs)
@@ -478,16 +477,26 @@ class _Step:
         return full
 
     def _self_copies(self, b, selfs, full):
+        """This rank's pieces to itself, written as a message to itself would be. Returns their elements as one
+        flat tensor of the bucket's dtype in message order when it was made (replay, or ``verify``: the sender's
+        digest of this message is taken from it, not from the chunks read a second time), else None."""
         if not selfs:
-            return
+            return None
         s = self.s
-        if self.replay:
+        buf = None
+        if self.replay or self.verify:
             buf = torch.cat([self.src_view(p).reshape(-1).to(s.bucket_dtype[b]) for p in selfs])
+        if self.replay:
             sync_apply.apply_dense(self.st.sinks[(b, self.rank)], buf, full)
-        else:
+        else:  # (learning: full-shape HF tensors for load_weights; the bucket's HF tensors are all in its dtype)
+            off = 0
             for p in selfs:
-                full[p.hf][box_slices(p.hf_box)].copy_(self.src_view(p).reshape(box_shape(p.hf_box)))
+                m = box_numel(p.hf_box)
+                src = self.src_view(p) if buf is None else buf[off:off + m]
+                full[p.hf][box_slices(p.hf_box)].copy_(src.reshape(box_shape(p.hf_box)))
+                off += m
         self.cnt["local_bytes"] += sum(box_numel(p.hf_box) * s.elem_of(p.hf) for p in selfs)
+        return buf
 
     def _load(self, b, full):
         if self.vm is None:

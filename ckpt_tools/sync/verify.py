@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..layout import box_slices
 from .comm import SyncError, _exchange_summaries, _one_line, _wait, checked_digest_run
 from .comm import checked_digest as digest
+from .digest import coalesce
 
 
 def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str):
@@ -92,7 +93,7 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
             if d is not None and d != got[i]:
                 bad.append([b, src])
             else:
-                proven += sum(p.hf not in skip for p in ps)
+                proven += views.provable[(b, src)]
     if not msgs:
         pending()
     alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600], "bad": bad[:16]}, comm, timeout_s)
@@ -147,8 +148,10 @@ def _bx(box) -> list:
 
 class _Views(NamedTuple):
     pieces: dict      # piece -> _regions(piece)
-    runs: dict        # (bucket, sender) -> tensors whose bytes, in order, are the message's (long runs merged)
+    runs: dict        # (bucket, sender) -> tensors whose bytes, in order, are the message's (long runs merged,
+                      # repeated boxes coalesced: ckpt_tools.sync.digest.coalesce)
     twice: list       # pieces whose HF region the loader places twice on this rank
+    provable: dict    # (bucket, sender) -> how many of the message's pieces the runs hold (not in ``skip``)
 
 
 def _views(schedule, live, local, rank, skip=frozenset()) -> _Views:
@@ -161,7 +164,7 @@ def _views(schedule, live, local, rank, skip=frozenset()) -> _Views:
     cache = schedule.__dict__.setdefault("_views", {})
     got = cache.get((local, skip))
     if got is None or got[0] != sig:
-        pieces, runs, twice = {}, {}, []
+        pieces, runs, twice, provable = {}, {}, [], {}
         for b, src, ps in schedule.messages_to(rank):
             out, cur = [], None  # cur: [name, parameter, start, end] (flat elements) of the open run
             for p in ps:
@@ -187,8 +190,9 @@ def _views(schedule, live, local, rank, skip=frozenset()) -> _Views:
                     out.append(v)
             if cur is not None:
                 out.append(cur[1].view(-1)[cur[2]:cur[3]])
-            runs[(b, src)] = out
-        got = cache[(local, skip)] = (sig, _Views(pieces, runs, twice))
+            runs[(b, src)] = coalesce(out)
+            provable[(b, src)] = sum(p.hf not in skip for p in ps)
+        got = cache[(local, skip)] = (sig, _Views(pieces, runs, twice, provable))
     return got[1]
 
 
