@@ -59,8 +59,9 @@ def _tables(device, nblocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def release(cpu: bool = False) -> None:
     """Drop the positional kernel's slab scratch (4 MiB per device) on every device but the CPU (``cpu``: there
-    too, and the host digest's copy buffer): the sync calls it at the end of every step, so device memory goes back to vLLM / the actor between
-    steps (the weight tables, 16 KiB plus 8 bytes per block of the largest message, stay)."""
+    too, and the host digest's copy buffer): the sync calls it at the end of every step, so device memory goes back
+    to vLLM / the actor between steps (the weight tables, 16 KiB plus 8 bytes per block of the largest message,
+    stay)."""
     for key, got in _CACHE.items():
         if cpu or key != "cpu":
             got[2] = None
