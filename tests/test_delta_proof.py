@@ -61,7 +61,7 @@ for step in range(3):
     if step == 2 and case in ("base", "broken") and rank == 1:  # the receiver's parameter changed behind the sync:
         from ckpt_tools.layout import box_slices                 # a region rank 0 sends here, all of it
         b0, _, ps = next(m for m in s.messages_to(1) if m[1] == 0)
-        vname, box = s._targets(1, ps[0])[0]
+        vname, box = s.targets(1, ps[0])[0]
         recv.params[vname][box_slices(box)] += 1
     if step == 2 and case == "broken" and rank == 1:  # ... and the writes of that message's full resend dropped
         target = state_of(s).sinks[(b0, 0)]

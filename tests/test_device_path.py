@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ckpt_tools.sync.comm import _wait_data
+from ckpt_tools.sync.comm import wait_data
 from ckpt_tools.sync.preflight import DEVICE_PATH_ENV, forced_device_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,12 +70,12 @@ def test_polling_wait_of_device_data_groups():
     work; a work that never completes ends in TimeoutError at the deadline, without calling wait() (whose own
     timeout NCCL / HCCL do not honour)."""
     w = _Work(polls=5)
-    _wait_data(w, time.monotonic() + 60, 60, gloo=False)
+    wait_data(w, time.monotonic() + 60, 60, gloo=False)
     assert w.seen == 6 and w.waited
     w = _Work(polls=None)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no answer within 0.2 s"):
-        _wait_data(w, t0 + 0.2, 0.2, gloo=False)
+        wait_data(w, t0 + 0.2, 0.2, gloo=False)
     assert w.seen > 1 and not w.waited and time.monotonic() - t0 < 30
 
 

@@ -126,3 +126,42 @@ def test_streamed_runs_equal_the_definition_of_their_concatenation():
         assert int(checked_digest_run(run, torch.bfloat16, scratch)) == host_ref(data)
     finally:
         D.use_host(False)
+
+
+def test_coalesced_runs_hold_the_same_elements_in_order_in_fewer_tensors(monkeypatch):
+    """ckpt_tools.sync.digest.coalesce (the verification's receiver runs): the same rows of consecutive experts, a
+    column slice repeated down consecutive boxes and adjacent flat runs merge; another storage, a step that changes,
+    a step backwards and an empty view break or vanish without changing the elements in order; both digests of
+    the coalesced run equal the definition of the original concatenation, the host one also when its strided
+    copies go through a buffer smaller than one run (digest.HOST_CHUNK)."""
+    from ckpt_tools.testing.digests import host_ref, positional_ref, tensor_bytes
+
+    g = torch.Generator().manual_seed(11)
+    w13 = torch.randn(6, 8, 16, generator=g).to(torch.bfloat16)  # [experts, 2 x ffn, hidden]
+    w2 = torch.randn(6, 16, 8, generator=g).to(torch.bfloat16)   # [experts, hidden, ffn]
+    other = torch.randn(40, generator=g).to(torch.bfloat16)
+    run = ([w13[e, :4] for e in range(6)]           # the first half of each expert's rows: stride 128, 6 boxes
+           + [w2[e, :, 2:6] for e in range(5)]      # a column slice of 5 consecutive experts
+           + [other[:10], other[10:25], other[25:40]]  # adjacent flat runs
+           + [torch.empty(0, dtype=torch.bfloat16)]
+           + [w2[5, :, 2:6], w2[0, :, 2:6]]         # a step backwards: not merged with what precedes
+           + [w13[0, :4], w13[2, :4], w13[3, :4]])  # a step that changes: 0 -> 2, then 3 breaks it
+    got = D.coalesce(run)
+    assert len(got) < len(run) - 8
+    assert torch.equal(torch.cat([t.reshape(-1) for t in got]), torch.cat([t.reshape(-1) for t in run]))
+    assert sum(t.is_contiguous() for t in got) >= 1  # the three flat runs: one contiguous view
+    assert D.coalesce([]) == [] and D.coalesce([torch.empty(0)]) == []
+    data = b"".join(tensor_bytes(t) for t in run)
+    try:
+        D.use_host(False)
+        assert int(checked_digest_run(got, torch.bfloat16, {})) == positional_ref(data)
+        D.use_host(True)
+        assert int(checked_digest_run(got, torch.bfloat16, {})) == host_ref(data)
+        monkeypatch.setattr(D, "HOST_CHUNK", 48)  # strided runs hashed through a buffer of one or two rows
+        D.release(cpu=True)
+        assert int(checked_digest_run(got, torch.bfloat16, {})) == host_ref(data)
+        assert int(D.digest_host([w2[:, :, 1:7], w13[:, 4:]])) == host_ref(tensor_bytes(w2[:, :, 1:7])
+                                                                          + tensor_bytes(w13[:, 4:]))
+    finally:
+        D.use_host(False)
+        D.release(cpu=True)

@@ -46,10 +46,10 @@ from ..core import numbers
 from ..layout import LayoutError, MegatronParallel, detect_spec
 from ..layout.model_config import config_from_dict
 from ..sync import SyncError, SyncSchedule, control_group_for, local_chunks, sync_weights
-from ..sync.comm import _comm, _exchange_summaries
+from ..sync.comm import comm_for, exchange_summaries
 from ..sync.digest import digest
-from ..sync.preflight import _unwrap
-from .verl_config import MODES, VERIFY_MODES, _env, bucket_bytes, devices_per_node, rollout_parallel
+from ..sync.preflight import unwrap_model
+from .verl_config import MODES, VERIFY_MODES, bucket_bytes, devices_per_node, env_choice, rollout_parallel
 
 logger = logging.getLogger("ckpt_tools.verl")
 last_report: dict = {}  # the last step's counters on this rank (mode, check results, sync counters)
@@ -94,7 +94,7 @@ def build_schedule(manager, vllm_model, control) -> SyncSchedule:
         mine["vocab_rows"] = v
     # one monitored all-gather on the control group (a dead peer is a one-line SyncError, not a hang)
     timeout = numbers.env("CKPT_TOOLS_SYNC_TIMEOUT", 600, numbers.TIMEOUT, SyncError)
-    alls = _exchange_summaries(mine, _comm(None, control), timeout)
+    alls = exchange_summaries(mine, comm_for(None, control), timeout)
     specs = {a.get("spec") for a in alls if a.get("spec")} or {"te"}
     rows = {a.get("vocab_rows") for a in alls if a.get("vocab_rows")}
     if len(specs) > 1 or len(rows) > 1:
@@ -117,7 +117,7 @@ def _global_shapes(actor_module):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     for m in actor_module:
-        for v in nested_values(_unwrap(m).sharded_state_dict()):
+        for v in nested_values(unwrap_model(m).sharded_state_dict()):
             if isinstance(v, ShardedTensor) and v.key in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 yield int(v.global_shape[0])
 
@@ -125,7 +125,7 @@ def _global_shapes(actor_module):
 def _transfer(manager, state: _State, model, mode: str, verl_transfer):
     """Our transfer (and, in check mode, verl's first, then the comparison); returns what load_weights returns."""
     timeout = numbers.env("CKPT_TOOLS_SYNC_TIMEOUT", 600, numbers.TIMEOUT, SyncError)
-    verify_mode = _env("CKPT_TOOLS_SYNC_VERIFY", "every", VERIFY_MODES)
+    verify_mode = env_choice("CKPT_TOOLS_SYNC_VERIFY", "every", VERIFY_MODES)
     if state.schedule is None:
         state.control = control_group_for(None)
         state.schedule = build_schedule(manager, model, state.control)
@@ -141,7 +141,7 @@ def _transfer(manager, state: _State, model, mode: str, verl_transfer):
                 if p.is_floating_point():
                     p.fill_(float("nan"))
     verify = verify_mode == "every" or (verify_mode == "first" and not state.verified)
-    delta = _env("CKPT_TOOLS_SYNC_DELTA", "off", ("on", "off")) == "on"  # ranks that differ: refused in the preflight
+    delta = env_choice("CKPT_TOOLS_SYNC_DELTA", "off", ("on", "off")) == "on"  # ranks that differ: refused (preflight)
     cnt = sync_weights(sched, manager.actor_module, model, group=None, control_group=state.control,
                        timeout_s=timeout, verify=verify, delta=delta)
     state.verified |= verify
@@ -151,7 +151,7 @@ def _transfer(manager, state: _State, model, mode: str, verl_transfer):
         diff = sorted(n for n in before if int(before[n]) != int(after[n]))
         problem = (f"rank {torch.distributed.get_rank()}: {len(diff)} of {len(before)} vLLM "
                    f"parameters differ from verl's transfer (first: {', '.join(diff[:3])})") if diff else ""
-        alls = _exchange_summaries({"problem": problem[:600]}, _comm(None, state.control), timeout)
+        alls = exchange_summaries({"problem": problem[:600]}, comm_for(None, state.control), timeout)
         bad = [s["problem"] for s in alls if s.get("problem")]
         report.update(check_equal=not bad, check_params=len(before))
         state.checked = True
@@ -179,7 +179,7 @@ class _Marker:
 
 
 def _enter(manager, original_enter, mv):
-    mode = _env("CKPT_TOOLS_SYNC", "ours", MODES)
+    mode = env_choice("CKPT_TOOLS_SYNC", "ours", MODES)
     if mode == "verl":
         return original_enter(manager)
     state = manager.__dict__.setdefault("_ckpt_tools_sync", _State())

@@ -14,7 +14,7 @@ BUCKET_MB = "CKPT_TOOLS_SYNC_BUCKET_MB"
 VERIFY_MODES = ("every", "first", "off")
 
 
-def _env(name: str, default: str, choices=None) -> str:
+def env_choice(name: str, default: str, choices=None) -> str:
     v = os.environ.get(name, default).strip().lower()
     if choices and v not in choices:
         raise SyncError(f"{name}={v!r} is not one of {', '.join(choices)}")

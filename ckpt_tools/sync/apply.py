@@ -291,7 +291,7 @@ class Sink(NamedTuple):
 
 def message_sinks(pieces, regions, fallback_hf, live) -> list:
     """The sinks of one message's pieces (in the message's order), consecutive contiguous regions of one parameter
-    merged into one view. ``regions``: piece -> [(param, box, view)] (sync.verify._views)."""
+    merged into one view. ``regions``: piece -> [(param, box, view)] (sync.verify.param_views)."""
     out, cur = [], None  # cur: [param name, flat param view, start, end] of the open merged run
     for p in pieces:
         n = box_numel(p.hf_box)

@@ -28,7 +28,7 @@ SyncError.__module__ = "ckpt_tools.sync"  # its public name (what tracebacks and
 _SUMMARY_BYTES = 1024
 
 
-def _exchange_summaries(summary: dict, comm: "_Comm", timeout_s: float) -> list[dict]:
+def exchange_summaries(summary: dict, comm: "Comm", timeout_s: float) -> list[dict]:
     """all-gather of a small fixed-size JSON per rank on the control group, with a monitored wait."""
     raw = json.dumps(summary).encode()[:_SUMMARY_BYTES]
     t = torch.zeros(_SUMMARY_BYTES, dtype=torch.uint8)
@@ -36,10 +36,10 @@ def _exchange_summaries(summary: dict, comm: "_Comm", timeout_s: float) -> list[
     outs = [torch.zeros_like(t) for _ in range(comm.world)]
     work = dist.all_gather(outs, t, group=comm.control, async_op=True)
     try:
-        _wait(work, time.monotonic() + timeout_s, timeout_s)
+        wait_control(work, time.monotonic() + timeout_s, timeout_s)
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
         raise SyncError(f"weight sync refused: checking the schedule with the other ranks failed within "
-                        f"{timeout_s:g} s ({_one_line(e)}); vLLM weights not modified") from None
+                        f"{timeout_s:g} s ({one_line(e)}); vLLM weights not modified") from None
     res = []
     for o in outs:
         b = bytes(o.tolist()).rstrip(b"\0")
@@ -51,7 +51,7 @@ def _exchange_summaries(summary: dict, comm: "_Comm", timeout_s: float) -> list[
 
 
 
-def _wait(work, deadline: float, timeout_s: float):
+def wait_control(work, deadline: float, timeout_s: float):
     """Wait for a control-group (gloo) work at most until ``deadline``: gloo's ``Work.wait(timeout)`` honours the
     timeout and raises on a timeout or a dead peer."""
     left = max(0.001, deadline - time.monotonic())
@@ -59,13 +59,13 @@ def _wait(work, deadline: float, timeout_s: float):
         raise TimeoutError(f"no answer within {timeout_s:g} s")
 
 
-def _wait_data(work, deadline: float, timeout_s: float, gloo: bool):
-    """Wait for a data-group work at most until ``deadline``. gloo: as :func:`_wait`. NCCL / HCCL: their
+def wait_data(work, deadline: float, timeout_s: float, gloo: bool):
+    """Wait for a data-group work at most until ``deadline``. gloo: as :func:`wait_control`. NCCL / HCCL: their
     ``Work.wait(timeout)`` does not bound the host wait (torch_npu's WorkHCCL ignores it; NCCL's only with
     TORCH_NCCL_BLOCKING_WAIT), so the host polls ``is_completed()`` (a query of the work's device event) until the
     deadline, then ``wait()`` orders the current stream after it."""
     if gloo:
-        return _wait(work, deadline, timeout_s)
+        return wait_control(work, deadline, timeout_s)
     while not work.is_completed():
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer within {timeout_s:g} s")
@@ -80,11 +80,11 @@ def _wait_data(work, deadline: float, timeout_s: float, gloo: bool):
 ABANDONED: list = []
 
 
-def _rank_of() -> int:
+def rank_of() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _device_of(model, default="cpu"):
+def device_of(model, default="cpu"):
     try:
         return next(model.parameters()).device
     except (AttributeError, StopIteration, TypeError):
@@ -102,7 +102,7 @@ def _flat(tensors: list, dtype, scratch: dict) -> torch.Tensor:
         buf = scratch[str(dev)] = torch.empty(max(n, buf.numel() if buf is not None else 0), dtype=dtype, device=dev)
     out = buf[:n]
     tensors = [t.detach() for t in tensors]  # (live parameters require grad; out= refuses them)
-    if all(t.dtype == dtype for t in tensors):
+    if all(t.dtype == dtype and t.is_contiguous() for t in tensors):
         torch.cat([t.reshape(-1) for t in tensors], out=out)
     else:
         o = 0
@@ -118,8 +118,8 @@ def checked_digest(t: torch.Tensor, dtype=None) -> torch.Tensor:
     try:
         return digest(t, dtype)
     except Exception as e:  # noqa: BLE001
-        raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of a {tuple(t.shape)} {t.dtype} "
-                        f"tensor on {t.device} failed ({type(e).__name__}: {_one_line(e)})") from None
+        raise SyncError(f"weight sync failed on rank {rank_of()}: the digest of a {tuple(t.shape)} {t.dtype} "
+                        f"tensor on {t.device} failed ({type(e).__name__}: {one_line(e)})") from None
 
 
 def checked_digest_run(tensors: list, dtype, scratch: dict) -> torch.Tensor:
@@ -130,19 +130,20 @@ def checked_digest_run(tensors: list, dtype, scratch: dict) -> torch.Tensor:
             return digest_host(tensors, dtype)
         if not tensors:
             return digest(torch.empty(0, dtype=dtype), dtype)
-        return digest(tensors[0] if len(tensors) == 1 else _flat(tensors, dtype, scratch), dtype)
+        one = len(tensors) == 1 and tensors[0].is_contiguous()  # (a strided one: copied into the flat buffer,
+        return digest(tensors[0] if one else _flat(tensors, dtype, scratch), dtype)  # not into a fresh one)
     except Exception as e:  # noqa: BLE001
-        raise SyncError(f"weight sync failed on rank {_rank_of()}: the digest of {len(tensors)} tensor(s) failed "
-                        f"({type(e).__name__}: {_one_line(e)})") from None
+        raise SyncError(f"weight sync failed on rank {rank_of()}: the digest of {len(tensors)} tensor(s) failed "
+                        f"({type(e).__name__}: {one_line(e)})") from None
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     s = " ".join(str(e).split())
     return (s[:300] + "...") if len(s) > 300 else s
 
 
 
-class _Comm(NamedTuple):
+class Comm(NamedTuple):
     data: object      # the group carrying device tensors (None = default group)
     control: object   # a gloo group over the same ranks: summaries, digests, monitored waits
     rank: int
@@ -167,7 +168,7 @@ def control_group_for(group=None):
     return _CONTROL_GROUPS[key]
 
 
-def _comm(group, control_group) -> _Comm:
+def comm_for(group, control_group) -> Comm:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     backend = str(dist.get_backend(group))
@@ -186,7 +187,7 @@ def _comm(group, control_group) -> _Comm:
         if cranks != [peer(r) for r in range(world)]:
             raise SyncError(f"weight sync refused: control_group spans global ranks {cranks[:8]}, the data group "
                             f"{[peer(r) for r in range(min(world, 8))]}; vLLM weights not modified")
-    return _Comm(group, control_group, rank, world, peer, gloo)
+    return Comm(group, control_group, rank, world, peer, gloo)
 
 
 def exchange_sets(mine: list, comm, timeout_s: float) -> dict:
@@ -194,14 +195,14 @@ def exchange_sets(mine: list, comm, timeout_s: float) -> dict:
     their pieces go through vLLM's loader). One 1 KiB summary each; only a set too long for it goes through
     all_gather_object."""
     short = len(json.dumps(mine)) < 900
-    alls = _exchange_summaries({"fb": mine if short else None}, comm, timeout_s)
+    alls = exchange_summaries({"fb": mine if short else None}, comm, timeout_s)
     if any(a.get("fb") is None for a in alls):
         out = [None] * comm.world
         try:
             dist.all_gather_object(out, mine, group=comm.control)
         except Exception as e:  # noqa: BLE001
             raise SyncError(f"weight sync verification failed on rank {comm.rank}: exchanging the fallback sets "
-                            f"failed ({_one_line(e)}); vLLM weights updated but not proven") from None
+                            f"failed ({one_line(e)}); vLLM weights updated but not proven") from None
     else:
         out = [a["fb"] for a in alls]
     return {r: set(v) for r, v in enumerate(out) if v}
@@ -216,7 +217,7 @@ def job_report(cnt: dict, fallback: int, step: int, comm, timeout_s: float, prob
     times = tuple(times) + ("seconds",)
     mine = {k: cnt[k] for k in keys}
     mine.update({k: round(cnt[k], 4) for k in times}, fb=fallback, problem=problem[:400])
-    alls = _exchange_summaries(mine, comm, timeout_s)
+    alls = exchange_summaries(mine, comm, timeout_s)
     for a in alls:
         if a.get("problem"):
             raise SyncError(f"weight sync failed: {a['problem']}; vLLM weights updated but wrong")

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from . import apply as sync_apply
 from . import delta as sync_delta
-from .comm import ABANDONED, SyncError, _one_line, _wait_data, checked_digest_run
-from .verify import _all_to_all
+from .comm import ABANDONED, SyncError, checked_digest_run, one_line, wait_data
+from .verify import all_to_all_digests
 
 
 def prove(s, comm, sinks, sent, got, src_view, timeout_s, scratch, rdev, shadow) -> dict:
@@ -54,7 +54,7 @@ def prove(s, comm, sinks, sent, got, src_view, timeout_s, scratch, rdev, shadow)
         parts.append([torch.tensor(v) for v in meant[i:i + n_sent] + held[j:j + n_got]])
         i, j = i + n_sent, j + n_got
     split = [len(got.get(p, ())) + len(sent.get(p, ())) for p in range(world)]
-    vals = _all_to_all(comm, parts, split, timeout_s, "delta digests")().tolist()
+    vals = all_to_all_digests(comm, parts, split, timeout_s, "delta digests")().tolist()
     resend, bad, expect, o, i, j = [], set(), {}, 0, 0, 0  # resend: (bucket, receiver) sent again in full
     for p in range(world):
         for b in got.get(p, ()):  # as receiver: the sender's digest vs what this rank holds
@@ -92,12 +92,12 @@ def prove(s, comm, sinks, sent, got, src_view, timeout_s, scratch, rdev, shadow)
             works = dist.batch_isend_irecv(ops)
             deadline = time.monotonic() + timeout_s
             for w in works:
-                _wait_data(w, deadline, timeout_s, comm.data_gloo)
+                wait_data(w, deadline, timeout_s, comm.data_gloo)
         except Exception as e:  # noqa: BLE001 - a dead or stalled peer
             ABANDONED.append((works, ops, bufs))
             raise SyncError(f"weight sync failed on rank {rank}: resending bucket {b + 1}'s delta messages that did "
                             f"not prove with rank(s) {sorted(set(mine_b) | set(theirs_b))} did not complete "
-                            f"({_one_line(e)}); vLLM weights partially updated") from None
+                            f"({one_line(e)}); vLLM weights partially updated") from None
         for src in theirs_b:
             sync_apply.apply_dense(sinks[(b, src)], bufs[("from", src)], {})
             out["rewritten"] += 1

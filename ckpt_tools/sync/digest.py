@@ -37,6 +37,7 @@ def _signed(x: int) -> int:
 
 _K1, _K2, _K3 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 _CACHE: dict[str, list] = {}
+_HOST_BUF: list = [None]  # the host digest's copy buffer for strided tensors (digest_host)
 
 
 def _tables(device, nblocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,11 +59,14 @@ def _tables(device, nblocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def release(cpu: bool = False) -> None:
     """Drop the positional kernel's slab scratch (4 MiB per device) on every device but the CPU (``cpu``: there
-    too): the sync calls it at the end of every step, so device memory goes back to vLLM / the actor between
-    steps (the weight tables, 16 KiB plus 8 bytes per block of the largest message, stay)."""
+    too, and the host digest's copy buffer): the sync calls it at the end of every step, so device memory goes back
+    to vLLM / the actor between steps (the weight tables, 16 KiB plus 8 bytes per block of the largest message,
+    stay)."""
     for key, got in _CACHE.items():
         if cpu or key != "cpu":
             got[2] = None
+    if cpu:
+        _HOST_BUF[0] = None
 
 
 def _block_weights(n: int, device) -> torch.Tensor:
@@ -87,22 +91,95 @@ def host() -> bool:
     return _HOST[0]
 
 
+HOST_CHUNK = 4 << 20  # bytes: a strided tensor is hashed by xxh3 through a reused buffer of about this size
+
+
 def digest_host(tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
     """0-d int64 CPU tensor: xxh3-64 of the elements of ``tensors`` one after another (row-major, as ``dtype``
-    bytes), streamed: a contiguous CPU tensor is hashed where it lies."""
+    bytes), streamed: a contiguous CPU tensor is hashed where it lies; a strided one is copied a few leading
+    slices at a time (about :data:`HOST_CHUNK` bytes, at least one slice) into a buffer kept for the next call (a
+    fresh allocation per tensor costs more than the copy: page faults), so a run that :func:`coalesce` made of
+    many boxes is never copied whole."""
     h = xxhash.xxh3_64()
+    update = h.update
     for t in tensors:
-        t = t.detach()
         if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
+            t = t.detach().to(dtype)
         if t.device.type != "cpu":
-            t = t.cpu()
-        if t.numel():
-            t = t.contiguous()
-            # the bytes where they lie, through ctypes: not Tensor.numpy(), which marks the storage not resizable
-            # (verl's offload then fails "Trying to resize storage that is not resizable")
-            h.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+            t = t.detach().cpu()
+        if not t.numel():
+            continue
+        if t.is_contiguous():
+            update(_host_bytes(t))
+            continue
+        es = t.element_size()
+        if t.dim() == 1:
+            rows, width = max(1, HOST_CHUNK // es), 1
+        else:
+            width = t[0].numel()
+            rows = max(1, HOST_CHUNK // (width * es))
+        buf = _host_scratch(min(rows, t.shape[0]) * width * es)
+        for i in range(0, t.shape[0], rows):
+            part = t[i:i + rows]
+            dst = buf[:part.numel() * es].view(t.dtype).view(part.shape)
+            dst.copy_(part)
+            update(_host_bytes(dst))
     return torch.tensor(_signed(h.intdigest()), dtype=torch.int64)
+
+
+def _host_scratch(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer of at least ``nbytes``, kept between calls (dropped by :func:`release` with ``cpu``)."""
+    if _HOST_BUF[0] is None or _HOST_BUF[0].numel() < nbytes:
+        _HOST_BUF[0] = torch.empty(max(nbytes, HOST_CHUNK), dtype=torch.uint8)
+    return _HOST_BUF[0]
+
+
+def _host_bytes(t: torch.Tensor):
+    """The bytes of a contiguous CPU tensor where they lie, through ctypes: not Tensor.numpy(), which marks the
+    storage not resizable (verl's offload then fails "Trying to resize storage that is not resizable"); valid while
+    ``t`` lives (the caller hashes it at once)."""
+    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+def coalesce(views) -> list:
+    """The same elements in the same order (row-major, one view after another) in fewer tensors: consecutive
+    views of one storage with the same shape and strides (a contiguous view counts as its flat run) whose storage
+    offsets advance by a fixed step merge into one strided view (``as_strided``: the repeated shape under a
+    leading axis of that step), e.g. the same rows of consecutive experts, or a column slice repeated down the
+    rows of consecutive layers' boxes; adjacent contiguous runs become one contiguous view. Empty views are
+    dropped (no bytes). The digest of a run is a function of its elements in order (this module's doc), so a
+    coalesced run digests as the original; what it saves is the per-tensor work (one call per run, not per box:
+    the verification's receiver side is ~2000 boxes per rank per step in scripts/bench_sync.py --quick)."""
+    out, cur = [], None  # cur: [first view, key, first storage offset, step, count]
+    for v in views:
+        if not v.numel():
+            continue
+        if v.is_contiguous():
+            shape, strides = (v.numel(),), (1,)
+        else:
+            shape, strides = tuple(v.shape), tuple(v.stride())
+        key = (v.untyped_storage().data_ptr(), v.dtype, v.device, shape, strides)
+        off = v.storage_offset()
+        if cur is not None and cur[1] == key:
+            step = off - cur[2] if cur[4] == 1 else cur[3]
+            if step > 0 and off == cur[2] + cur[4] * step:
+                cur[3], cur[4] = step, cur[4] + 1
+                continue
+        if cur is not None:
+            out.append(_merged(cur))
+        cur = [v, key, off, 0, 1]
+    if cur is not None:
+        out.append(_merged(cur))
+    return out
+
+
+def _merged(cur) -> torch.Tensor:
+    v, (_, _, _, shape, strides), off, step, n = cur
+    if n == 1:
+        return v
+    if shape == (shape[0],) and strides == (1,) and step == shape[0]:  # adjacent flat runs: one contiguous run
+        return v.as_strided((n * shape[0],), (1,), off)
+    return v.as_strided((n,) + shape, (step,) + strides, off)
 
 
 def digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

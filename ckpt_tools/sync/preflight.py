@@ -1,5 +1,5 @@
 """The sync's preflight: read the actor's local chunks from its own ``sharded_state_dict()`` (:func:`local_chunks`)
-and refuse a mismatched topology or model on every rank before any byte moves (:func:`_preflight`); it also
+and refuse a mismatched topology or model on every rank before any byte moves (:func:`run_preflight`); it also
 agrees, on every rank, on the *device path* (:func:`forced_device_path`)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from . import digest as digest_mod
 from . import live as vllm_live
-from .comm import SyncError, _device_of, _exchange_summaries
+from .comm import SyncError, device_of, exchange_summaries
 
 
 def local_chunks(megatron_model) -> dict:
@@ -26,7 +26,7 @@ def local_chunks(megatron_model) -> dict:
     models = megatron_model if isinstance(megatron_model, (list, tuple)) else [megatron_model]
     out = {}
     for m in models:
-        sd = _unwrap(m).sharded_state_dict()
+        sd = unwrap_model(m).sharded_state_dict()
         apply_factories(sd)
         for v in nested_values(sd):
             if not isinstance(v, ShardedTensor) or v.data is None or v.flattened_range is not None:
@@ -39,7 +39,7 @@ def local_chunks(megatron_model) -> dict:
 
 
 
-def _unwrap(m):
+def unwrap_model(m):
     """The model chunk under verl's / megatron's wrappers (megatron DDP, Float16Module, torch DDP): their
     ``sharded_state_dict()`` prefixes keys with ``module.`` (verl/utils/megatron_utils.py unwrap_model does the
     same before reading weights)."""
@@ -66,7 +66,7 @@ def forced_device_path() -> bool:
     reused flat buffers freed at the end of every step, shadows copied host <-> "device" (CPU to CPU). For CI (a
     CPU machine exercising the code every device job runs) and for diagnosis; the preflight makes it the choice
     of every rank when any rank sets it. The one device branch it cannot take is the data group's polling wait
-    (``comm._wait_data``): gloo's point-to-point works report completion only from ``wait()`` (tried: polled 5 s,
+    (``comm.wait_data``): gloo's point-to-point works report completion only from ``wait()`` (tried: polled 5 s,
     never complete), so a gloo data group keeps gloo's own wait."""
     v = os.environ.get(DEVICE_PATH_ENV, "off").strip().lower()
     if v in _ON:
@@ -77,7 +77,7 @@ def forced_device_path() -> bool:
 
 
 class Preflight(NamedTuple):
-    """What :func:`_preflight` found: this rank's actor chunks, its live vLLM parameters (when checked) and every
+    """What :func:`run_preflight` found: this rank's actor chunks, its live vLLM parameters (when checked) and every
     rank's summary (rank order)."""
 
     chunks: dict
@@ -96,7 +96,7 @@ class Preflight(NamedTuple):
         return not all(s.get("cpu") for s in self.peers)
 
 
-def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=(),
+def run_preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunks, verify, opts=(),
                learns=None, extra=None) -> Preflight:
     """Refuse a mismatched topology or model before any byte moves: every rank checks its own side (Megatron
     chunks; vLLM dims, TP / DP / EP ranks, expert placement, parameters the sync writes), then all ranks compare
@@ -141,11 +141,11 @@ def _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need_chunk
                     problem = (f"the vLLM model on rank {rank} has no parameter {missing[0]} (nor its "
                                f"{len(missing) - 1} other planned ones); vLLM version names differ")
     cpu = not forced and all(t.device.type == "cpu" for t in chunks.values()) and \
-        (not is_roll or vllm_model is None or _device_of(vllm_model).type == "cpu")
+        (not is_roll or vllm_model is None or device_of(vllm_model).type == "cpu")
     mine = {"fp": schedule.fingerprint(), "desc": schedule.describe()[:400], "problem": problem[:500],
             "opts": list(opts), "cpu": cpu, "learns": bool(learns(live)) if learns is not None else False,
             **(extra or {})}
-    alls = _exchange_summaries(mine, comm, timeout_s)
+    alls = exchange_summaries(mine, comm, timeout_s)
     # every rank on the CPU (gloo), none forcing the device path: the host digest (ckpt_tools.sync.digest), the same
     # choice on every rank
     digest_mod.use_host(all(s.get("cpu") for s in alls))

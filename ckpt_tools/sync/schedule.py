@@ -259,7 +259,7 @@ class SyncSchedule:
         for p in self.pieces:
             self.pieces_by_bucket[self.bucket_of[p.hf]].append(p)
         # within a bucket, pieces by receiver, then by where they land in its vLLM parameters: each message's
-        # bytes follow the receiver's memory, so the verification reads long runs of it (see _views)
+        # bytes follow the receiver's memory, so the verification reads long runs of it (see param_views)
         for ps in self.pieces_by_bucket:
             ps.sort(key=self._landing)
 
@@ -269,7 +269,7 @@ class SyncSchedule:
             self._local_of = {r: i % self.vpar.world for i, r in enumerate(self.rollout_ranks)}
             self._param_index = [{n: i for i, n in enumerate(t)} for t in self.vlayout.ranks]
         local = self._local_of[p.dst]
-        for name, target in self._targets(local, p):
+        for name, target in self.targets(local, p):
             shape = self.vlayout.ranks[local][name].shape
             flat = 0
             for (a, _), n in zip(target, shape):
@@ -314,7 +314,7 @@ class SyncSchedule:
             self._pair_msgs = dict(c)
         return self._pair_msgs
 
-    def _targets(self, local: int, p: Piece) -> list:
+    def targets(self, local: int, p: Piece) -> list:
         """[(vLLM parameter, box)] where vLLM-local rank ``local``'s loader puts piece ``p``: the layout's
         segments holding its HF region (pure translations, leading expert axes as points)."""
         index = self.__dict__.setdefault("_seg_index", {})

@@ -24,20 +24,20 @@ from . import digest as digest_mod
 from .comm import (
     ABANDONED,
     SyncError,
-    _comm,
-    _device_of,
-    _one_line,
-    _rank_of,
-    _wait_data,
     checked_digest_run,
+    comm_for,
+    device_of,
     exchange_sets,
     job_report,
+    one_line,
+    rank_of,
+    wait_data,
 )
 from .comm import checked_digest as digest
 from .delta import DENSE
-from .preflight import _preflight, local_chunks  # noqa: F401 - local_chunks: ckpt_tools.sync's public name
+from .preflight import local_chunks, run_preflight  # noqa: F401 - local_chunks: ckpt_tools.sync's public name
 from .schedule import SyncSchedule
-from .verify import _verify, _views
+from .verify import param_views, verify_received
 
 logger = logging.getLogger("ckpt_tools.sync")
 
@@ -127,7 +127,7 @@ def sync_weights(schedule: SyncSchedule, megatron_model, vllm_model, group=None,
         except SyncError:
             raise
         except Exception as e:  # noqa: BLE001 - a digest, an allocation, a device error: one line like every other
-            raise SyncError(f"weight sync failed on rank {_rank_of()}: {type(e).__name__}: {_one_line(e)}; "
+            raise SyncError(f"weight sync failed on rank {rank_of()}: {type(e).__name__}: {one_line(e)}; "
                             f"vLLM weights may be partially updated") from None
         finally:  # device scratch goes back to vLLM / the actor between steps (host scratch is kept: page faults;
             # on the forced device path the CPU is the device: freed too)
@@ -153,7 +153,7 @@ class _Step:
         self.s, self.mm, self.vm = schedule, megatron_model, vllm_model
         self.timeout_s, self.verify, self.fill_value = timeout_s, verify, fill_value
         self.direct, self.delta, self.shadow_host = direct, delta, shadow == "host"
-        self.comm = _comm(group, control_group)
+        self.comm = comm_for(group, control_group)
         self.rank = self.comm.rank
         self.st = state_of(schedule)
 
@@ -187,12 +187,12 @@ class _Step:
         t0 = time.perf_counter()
         need = {(p.key, p.chunk_box) for p in s.pieces if p.src == rank}
         self.local = (s.rollout_ranks.index(rank) % s.vpar.world) if rank in s.rollout_ranks else None
-        pf = _preflight(s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
+        pf = run_preflight(s, self.comm, self.mm, self.vm, self.timeout_s, need, self.verify or self.direct,
                         [bool(self.verify), bool(self.direct), bool(self.delta)], self._learns,
                         {"fbh": _set_hash(self.st.fallback_hf)})
         self.chunks, self.live, anyone_learns, self.device_path = pf.chunks, pf.live, pf.anyone_learns, pf.device_path
         self.peers = pf.peers
-        self.rdev = _device_of(self.vm)
+        self.rdev = device_of(self.vm)
         total = len(s.needs_local[self.local]) if self.local is not None else 0
         self.cnt = dict.fromkeys(_COUNTERS, 0)
         self.cnt.update(dict.fromkeys(_TIMES, 0.0), tensors_total=total, direct=False, map_learned=False, no_direct="",
@@ -228,9 +228,9 @@ class _Step:
             tv = time.perf_counter()
             self._redigest_fallback(fallback)
             self._count_fallback_proofs(fallback.get(rank, ()))
-            self.cnt["verified_pieces"] = _verify(s, self.comm, self.live, self.sent_digests, self.src_view,
-                                                  self.timeout_s, self.scratch, fallback, self.loader_problem,
-                                                  proof["proven"])
+            self.cnt["verified_pieces"] = verify_received(s, self.comm, self.live, self.sent_digests, self.src_view,
+                                                          self.timeout_s, self.scratch, fallback, self.loader_problem,
+                                                          proof["proven"])
             self._timed("verify_seconds", tv)
         self.st.steps += 1
         self.cnt["fallback_params"] = sorted(self.st.fallback)
@@ -281,7 +281,7 @@ class _Step:
             return
         st.fallback_hf = frozenset(seg.hf for n in st.fallback for seg in s.vlayout.ranks[self.local][n].segments)
         try:
-            views = _views(s, live, self.local, self.rank)
+            views = param_views(s, live, self.local, self.rank)
         except SyncError as e:  # the live parameters are not in the checkpoint layout: nothing to replay
             logger.warning("ckpt_tools sync: rank %d: no direct apply (%s)", self.rank, e)
             return
@@ -384,12 +384,12 @@ class _Step:
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except Exception as e:  # noqa: BLE001
-            raise self.fail(b, f"posting transfers failed ({_one_line(e)})") from None
+            raise self.fail(b, f"posting transfers failed ({one_line(e)})") from None
         try:  # a failure while they run (a digest, memory): the posted buffers stay referenced (see comm.ABANDONED)
             # while they run: the full-shape HF tensors this bucket needs, the self copies, the digests of what is sent
             full = self._full_tensors(selfs + [p for ps in recvs.values() for p in ps])
             ta = time.perf_counter()
-            self._self_copies(b, selfs, full)
+            own = self._self_copies(b, selfs, full)
             self._timed("apply_seconds", ta)
             tv = time.perf_counter()
             for dst, new in news.items():
@@ -402,8 +402,9 @@ class _Step:
                 if self.delta:
                     sync_delta.keep_shadow(st.shadow, (b, dst), new, mode, idx, vals, self.shadow_host,
                                            self.device_path)
-            if self.verify and selfs:
-                mine = checked_digest_run([self.src_view(p) for p in selfs], dtype, self.scratch)
+            if self.verify and selfs:  # the elements of the message to itself, in its order
+                mine = digest(own) if own is not None else \
+                    checked_digest_run([self.src_view(p) for p in selfs], dtype, self.scratch)
                 self.sent_digests[rank].append((b, mine))
             self._timed("verify_seconds", tv)
             tt = time.perf_counter()
@@ -413,7 +414,7 @@ class _Step:
             ABANDONED.append((works, ops, payloads, rbufs))
             if isinstance(e, SyncError) or not isinstance(e, Exception):
                 raise
-            raise self.fail(b, f"{type(e).__name__}: {_one_line(e)}") from None
+            raise self.fail(b, f"{type(e).__name__}: {one_line(e)}") from None
         ta = time.perf_counter()
         for src, ps in recvs.items():
             n = sum(box_numel(p.hf_box) for p in ps)
@@ -455,14 +456,14 @@ class _Step:
             try:
                 works = dist.batch_isend_irecv(works)
             except Exception as e:  # noqa: BLE001
-                raise self.fail(b, f"posting transfers failed ({_one_line(e)})") from None
+                raise self.fail(b, f"posting transfers failed ({one_line(e)})") from None
         deadline = time.monotonic() + self.timeout_s
         for w in works:
             try:
-                _wait_data(w, deadline, self.timeout_s, self.comm.data_gloo)
+                wait_data(w, deadline, self.timeout_s, self.comm.data_gloo)
             except Exception as e:  # noqa: BLE001 - a dead or stalled peer
                 peers = sorted(set(sends) | set(recvs))
-                raise self.fail(b, f"transfer with rank(s) {peers} did not complete ({_one_line(e)})") from None
+                raise self.fail(b, f"transfer with rank(s) {peers} did not complete ({one_line(e)})") from None
 
     def _full_tensors(self, pieces) -> dict:
         """Full-shape HF tensors of this bucket for what goes through vLLM's loader: every HF tensor on a learning
@@ -478,9 +479,12 @@ class _Step:
         return full
 
     def _self_copies(self, b, selfs, full):
+        """This rank's pieces to itself. Replayed: as one message to itself, their elements concatenated in the
+        bucket's dtype, which is returned (the verification's sender digest of the message is taken from it, not
+        from the chunks read a second time); learning: piece by piece into the full-shape HF tensors (None)."""
         if not selfs:
-            return
-        s = self.s
+            return None
+        s, buf = self.s, None
         if self.replay:
             buf = torch.cat([self.src_view(p).reshape(-1).to(s.bucket_dtype[b]) for p in selfs])
             sync_apply.apply_dense(self.st.sinks[(b, self.rank)], buf, full)
@@ -488,6 +492,7 @@ class _Step:
             for p in selfs:
                 full[p.hf][box_slices(p.hf_box)].copy_(self.src_view(p).reshape(box_shape(p.hf_box)))
         self.cnt["local_bytes"] += sum(box_numel(p.hf_box) * s.elem_of(p.hf) for p in selfs)
+        return buf
 
     def _load(self, b, full):
         if self.vm is None:
@@ -516,7 +521,7 @@ class _Step:
         except SyncError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise self.fail(b, f"vLLM load_weights raised {type(e).__name__}: {_one_line(e)}") from None
+            raise self.fail(b, f"vLLM load_weights raised {type(e).__name__}: {one_line(e)}") from None
 
     def _fed(self, full) -> list:
         """This rank's vLLM parameters the layout fills from the HF tensors ``full``."""

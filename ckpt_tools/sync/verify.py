@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 from ..layout import box_slices
-from .comm import SyncError, _exchange_summaries, _one_line, _wait, checked_digest_run
+from .comm import SyncError, checked_digest_run, exchange_summaries, one_line, wait_control
 from .comm import checked_digest as digest
+from .digest import coalesce
 
 
-def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str):
+def all_to_all_digests(comm, parts: list, recv_split: list, timeout_s: float, what: str):
     """Monitored all-to-all of int64 digests on the control group: ``parts[d]`` (list of 0-d tensors, any
     device) to rank d. Posted now; the returned function waits for it and returns what every rank sent here,
     concatenated in rank order (so the caller can work meanwhile)."""
@@ -26,7 +27,7 @@ def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str
 
     def fail(e):
         return SyncError(f"weight sync verification failed on rank {comm.rank}: exchanging {what} did not complete "
-                         f"within {timeout_s:g} s ({_one_line(e)}); vLLM weights updated but not proven")
+                         f"within {timeout_s:g} s ({one_line(e)}); vLLM weights updated but not proven")
 
     try:
         work = dist.all_to_all_single(got, out, recv_split, [len(ps) for ps in parts], group=comm.control,
@@ -36,7 +37,7 @@ def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str
 
     def result():
         try:
-            _wait(work, deadline, timeout_s)
+            wait_control(work, deadline, timeout_s)
         except Exception as e:  # noqa: BLE001
             raise fail(e) from None
         return got
@@ -44,7 +45,7 @@ def _all_to_all(comm, parts: list, recv_split: list, timeout_s: float, what: str
     return result
 
 
-def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None, problem="",
+def verify_received(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fallback=None, problem="",
             already=frozenset()) -> int:
     """Prove that every vLLM parameter region this rank was sent holds exactly the bytes its sender sent.
     Round 1: the senders' message digests come over the control group (one all-to-all, 8 bytes per message) and
@@ -61,15 +62,15 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
     recv_split = [counts.get((s, rank), 0) for s in range(world)]
     fallback = fallback or {}
     skip = frozenset(fallback.get(rank, ()))  # this rank's fallback HF tensors: proven on the wire only
-    pending = _all_to_all(comm, [[d for _, d in sent_digests.get(d, [])] for d in range(world)], recv_split, timeout_s,
-                          "message digests")  # in flight while this rank digests its parameters
+    pending = all_to_all_digests(comm, [[d for _, d in sent_digests.get(d, [])] for d in range(world)], recv_split,
+                                 timeout_s, "message digests")  # in flight while this rank digests its parameters
     problem, proven, bad = own, 0, []
     msgs = schedule.messages_to(rank)
     if msgs:
         local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
         offs = [sum(recv_split[:s]) for s in range(world)]
         try:
-            views = _views(schedule, live, local, rank, skip)
+            views = param_views(schedule, live, local, rank, skip)
         except SyncError as e:
             problem, msgs = problem or str(e), []
         wants, mine = [], []
@@ -92,14 +93,14 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
             if d is not None and d != got[i]:
                 bad.append([b, src])
             else:
-                proven += sum(p.hf not in skip for p in ps)
+                proven += views.provable[(b, src)]
     if not msgs:
         pending()
-    alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600], "bad": bad[:16]}, comm, timeout_s)
+    alls = exchange_summaries({"fp": "", "desc": "", "problem": problem[:600], "bad": bad[:16]}, comm, timeout_s)
     wrong = sorted({(b, src, r) for r, s in enumerate(alls) for b, src in s.get("bad", [])})
     if wrong and not any(s.get("problem") for s in alls):
         problem = _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback)
-        alls = _exchange_summaries({"fp": "", "desc": "", "problem": problem[:600]}, comm, timeout_s)
+        alls = exchange_summaries({"fp": "", "desc": "", "problem": problem[:600]}, comm, timeout_s)
     for s in alls:
         if s.get("problem"):
             raise SyncError(f"weight sync verification failed: {s['problem']}; vLLM weights updated but wrong")
@@ -110,7 +111,7 @@ def _verify(schedule, comm, live, sent_digests, src_view, timeout_s, scratch, fa
 
 
 def _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback) -> str:
-    """Round 2 of :func:`_verify` for the messages ``wrong`` [(bucket, src, dst)]: per-piece digests, the
+    """Round 2 of :func:`verify_received` for the messages ``wrong`` [(bucket, src, dst)]: per-piece digests, the
     senders' from their live chunks (the bytes they sent), compared on the receivers; the first wrong piece here."""
     rank, world = comm.rank, comm.world
     parts = [[] for _ in range(world)]
@@ -120,7 +121,7 @@ def _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback) -> str:
     mine = [(b, src) for b, src, dst in wrong if dst == rank]
     recv_split = [sum(len(_provable(schedule, b, s, rank, fallback)) for b, s2 in mine if s2 == s)
                   for s in range(world)]
-    got = _all_to_all(comm, parts, recv_split, timeout_s, "piece digests")()
+    got = all_to_all_digests(comm, parts, recv_split, timeout_s, "piece digests")()
     if not mine:
         return ""
     local = schedule.rollout_ranks.index(rank) % schedule.vpar.world
@@ -129,7 +130,7 @@ def _locate(schedule, comm, live, src_view, wrong, timeout_s, fallback) -> str:
         for p in _provable(schedule, b, src, rank, fallback):
             want = got[offs[src]]
             offs[src] += 1
-            vname, target, t = _views(schedule, live, local, rank, frozenset(fallback.get(rank, ()))).pieces[p][0]
+            vname, target, t = param_views(schedule, live, local, rank, frozenset(fallback.get(rank, ()))).pieces[p][0]
             if int(digest(t, schedule.bucket_dtype[b])) != int(want):
                 return (f"rank {rank}: vLLM parameter {vname} region {_bx(target)} does not hold the bytes rank {src} "
                         f"sent for HF tensor {p.hf} region {_bx(p.hf_box)}")
@@ -145,23 +146,25 @@ def _bx(box) -> list:
     return [list(x) for x in box]
 
 
-class _Views(NamedTuple):
+class ParamViews(NamedTuple):
     pieces: dict      # piece -> _regions(piece)
-    runs: dict        # (bucket, sender) -> tensors whose bytes, in order, are the message's (long runs merged)
+    runs: dict        # (bucket, sender) -> tensors whose bytes, in order, are the message's (long runs merged,
+                      # repeated boxes coalesced: ckpt_tools.sync.digest.coalesce)
     twice: list       # pieces whose HF region the loader places twice on this rank
+    provable: dict    # (bucket, sender) -> how many of the message's pieces the runs hold (not in ``skip``)
 
 
-def _views(schedule, live, local, rank, skip=frozenset()) -> _Views:
+def param_views(schedule, live, local, rank, skip=frozenset()) -> ParamViews:
     """Where every piece this rank receives lands in the live vLLM parameters, cached on the schedule while the
     parameters are the same tensors (same storage, shape): the verification's only per-piece Python work, done
     once, not every step. Within a message, pieces come in the receiver's memory order (SyncSchedule sorts
     them), so consecutive contiguous regions of one parameter merge into one view. Pieces of the HF tensors in
     ``skip`` (fallback: vLLM's loader transforms them) are left out of the runs."""
     sig = tuple((n, p.data_ptr(), tuple(p.shape), p.dtype) for n, p in live.params.items())
-    cache = schedule.__dict__.setdefault("_views", {})
+    cache = schedule.__dict__.setdefault("param_views", {})
     got = cache.get((local, skip))
     if got is None or got[0] != sig:
-        pieces, runs, twice = {}, {}, []
+        pieces, runs, twice, provable = {}, {}, [], {}
         for b, src, ps in schedule.messages_to(rank):
             out, cur = [], None  # cur: [name, parameter, start, end] (flat elements) of the open run
             for p in ps:
@@ -187,8 +190,9 @@ def _views(schedule, live, local, rank, skip=frozenset()) -> _Views:
                     out.append(v)
             if cur is not None:
                 out.append(cur[1].view(-1)[cur[2]:cur[3]])
-            runs[(b, src)] = out
-        got = cache[(local, skip)] = (sig, _Views(pieces, runs, twice))
+            runs[(b, src)] = coalesce(out)
+            provable[(b, src)] = sum(p.hf not in skip for p in ps)
+        got = cache[(local, skip)] = (sig, ParamViews(pieces, runs, twice, provable))
     return got[1]
 
 
@@ -197,7 +201,7 @@ def _regions(schedule, live, local, p, rank) -> list:
     layout places that HF region twice on a rank). SyncError when the live parameter is not in the checkpoint
     layout the loader writes (a build that repacks it after loading: such parameters cannot be proven)."""
     out = []
-    for vname, target in schedule._targets(local, p):
+    for vname, target in schedule.targets(local, p):
         prm = live.get(vname)
         spec = schedule.vlayout.ranks[local][vname]
         if tuple(prm.shape) != tuple(spec.shape):

@@ -15,9 +15,9 @@ import time
 import torch
 
 from ..layout import box_numel, box_shape, box_shift, box_slices, full_box
-from ..sync.comm import SyncError, _comm, _device_of, _one_line, _wait
+from ..sync.comm import SyncError, comm_for, device_of, one_line, wait_control
 from ..sync.cost import gather_all_figures  # noqa: F401 - the product's cost model of this method, named here too
-from ..sync.preflight import _preflight
+from ..sync.preflight import run_preflight
 from ..sync.schedule import ChunkIndex, SyncSchedule
 
 
@@ -31,13 +31,13 @@ def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, 
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    comm = _comm(group, control_group)
+    comm = comm_for(group, control_group)
     rank, world, peer = comm.rank, comm.world, comm.peer
     index = ChunkIndex(schedule.mlayout)
     need = {(c.key, c.box) for cs in index.by_unit.values() for c in cs if schedule.actor_ranks[c.rank] == rank}
-    chunks, _, _ = _preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need, False)
+    chunks, _, _ = run_preflight(schedule, comm, megatron_model, vllm_model, timeout_s, need, False)
     dtype = schedule.dtype
-    rdev = _device_of(vllm_model)
+    rdev = device_of(vllm_model)
     cnt = dict(recv_bytes=0, recv_net_bytes=0, sent_bytes=0, local_bytes=0, messages_sent=0, messages_received=0,
                buckets=0, tensors_delivered=0, tensors_total=len(schedule.hf_shapes) if rank in schedule.rollout_ranks else 0)
     is_roll = rank in schedule.rollout_ranks
@@ -53,10 +53,10 @@ def sync_weights_gather_all(schedule: SyncSchedule, megatron_model, vllm_model, 
                 buf = torch.empty(box_numel(inter), dtype=dtype, device=rdev)
             w = dist.broadcast(buf, peer(owner), group=group, async_op=True)
             try:
-                _wait(w, time.monotonic() + timeout_s, timeout_s)
+                wait_control(w, time.monotonic() + timeout_s, timeout_s)
             except Exception as e:  # noqa: BLE001
                 d = cnt["tensors_delivered"]
-                raise SyncError(f"gather-all sync failed on rank {rank} at {hf}: {_one_line(e)}; "
+                raise SyncError(f"gather-all sync failed on rank {rank} at {hf}: {one_line(e)}; "
                                 f"vLLM weights partially updated: {d} of {cnt['tensors_total']} tensors") from None
             nbytes = buf.numel() * buf.element_size()
             if owner == rank:
