@@ -92,11 +92,6 @@ def test_no_import_inside_a_function_but_the_allowed_ones():
     assert used == set(DOCUMENTED), f"documented exceptions no longer used: {sorted(set(DOCUMENTED) - used)}"
 
 
-# importers / imported modules whose underscore names are still imported across modules: sync's internal API
-# (issue 46: being named in its own change; this allow-list goes when that change is merged)
-UNDERSCORE_PENDING = ("ckpt_tools.sync", "ckpt_tools.integrations.verl")
-
-
 def _underscore_imports(module: str, path: str):
     """(line, imported module, name) of every import of another module's underscore name (``from .x import _y``);
     a submodule whose name starts with an underscore (``from .. import _mcore_cpu``) is a module, not a name."""
@@ -121,8 +116,6 @@ def test_no_underscore_name_crosses_a_module():
     bad = []
     for module, path in _modules():
         for line, target, name in _underscore_imports(module, path):
-            if any(m == p or m.startswith(p + ".") for m in (module, target) for p in UNDERSCORE_PENDING):
-                continue
             bad.append(f"{os.path.relpath(path, ROOT)}:{line}: imports {name} from {target}")
     assert not bad, "\n".join(bad)
 
