@@ -6,6 +6,7 @@ verification are all "read HF boxes from one view, place them by another layout"
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -15,6 +16,7 @@ import converters
 from converters import vllm_names
 from converters.vllm_names import file_name
 
+from ..copy.fileio import read_rec_box
 from ..core.errors import InputError
 from ..core.files import read_json
 from ..core.lazy import dtype_name, torch, torch_dtype
@@ -36,6 +38,7 @@ from ..layout import (
 )
 from ..layout.model_config import ModelConfig, load_config
 from .fp8 import open_reader
+from .fsdp import FsdpCheckpoint, FsdpError, hf_config_dir, is_fsdp
 from .hf import HFError, HFReader
 from .torch_dist import DistCkptError
 from .torch_dist_reader import TorchDistReader
@@ -436,8 +439,140 @@ class VllmView:
         return out
 
 
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel.base_model (LoraModel).model (peft/peft_model.py, tuners_utils.py)
+LORA_PARTS = (".lora_A.", ".lora_B.")
+
+
+def peft_names(names) -> tuple[dict, dict]:
+    """peft-wrapped state dict names -> (HF name -> stored name of the base weight, HF module -> {"A"|"B": stored
+    name}): ``base_model.model.`` stripped, ``.base_layer.`` removed (peft/tuners/lora/layer.py: the wrapped
+    module is ``base_layer``), ``{module}.lora_A.{adapter}.weight`` / ``lora_B`` collected per module."""
+    base, lora = {}, {}
+    for n in names:
+        h = n[len(PEFT_PREFIX):] if n.startswith(PEFT_PREFIX) else n
+        part = next((p for p in LORA_PARTS if p in h), None)
+        if part is not None:
+            mod, rest = h.split(part, 1)
+            lora.setdefault(mod, {})[part[-2]] = (n, rest.split(".", 1)[0])
+            continue
+        base[h.replace(".base_layer.", ".")] = n
+    return base, lora
+
+
+class FsdpView:
+    """A verl FSDP checkpoint (``global_step_N/actor``: FSDP1 or FSDP2 rank files, formats/fsdp.py) as HF
+    tensors. Each HF tensor's boxes are the rank files' stored shards (:meth:`sources`), streamed by the engine.
+    A LoRA checkpoint (peft names) opens only with ``lora`` ``"merge"`` (the HF tensors of the merged model:
+    :meth:`transforms` says which are computed) or ``"adapter"`` (the base model; the adapter is written
+    apart): never silently without its adapters."""
+
+    kind = "fsdp"
+
+    def __init__(self, path: str, cfg: ModelConfig | None = None, lora: str | None = None):
+        self.path = path
+        if cfg is None:
+            d = hf_config_dir(path)
+            if d is None:
+                raise FormatError(f"{path}: no huggingface/config.json (verl saves it beside the rank files): "
+                                  f"pass --hf-config DIR")
+            cfg = load_config(d)
+        self.cfg = cfg
+        self.ckpt = FsdpCheckpoint(path)
+        self.shapes = hf_shapes(cfg)
+        base, self.lora = peft_names(self.ckpt.tensors)
+        self.lora_mode = lora
+        if self.lora and lora not in ("merge", "adapter", "inspect"):
+            mod = next(iter(self.lora))
+            raise FormatError(f"{path}: a LoRA checkpoint ({len(self.lora)} adapted modules, e.g. {mod}): pass "
+                              f"--merge-lora (the merged model) or --lora-adapter-out DIR (base model + peft "
+                              f"adapter); its adapters are never dropped silently")
+        if lora in ("merge", "adapter") and not self.lora:
+            raise FormatError(f"{path}: --merge-lora / --lora-adapter-out given, but the checkpoint holds no LoRA "
+                              f"weights (no lora_A / lora_B names)")
+        untied = set(hf_shapes(dataclasses.replace(cfg, tie_embeddings=False))) - set(self.shapes)
+        self.stored = {}
+        problems = []
+        for h, n in base.items():
+            if h in self.shapes:
+                self.stored[h] = n
+            elif h not in untied and not dropped(cfg)(h):
+                problems.append(f"holds {n}, which the HF config does not explain - another model or a mismatched "
+                                f"--hf-config?")
+        for h, shp in self.shapes.items():
+            if h not in self.stored:
+                problems.append(f"missing {h}" + _mtp_hint(cfg, [h]))
+                continue
+            got = self.ckpt.tensors[self.stored[h]][0]
+            if tuple(got) != tuple(shp):
+                problems.append(f"{self.stored[h]} has shape {list(got)}, the HF config implies {list(shp)}")
+        if problems:
+            raise FormatError(f"{path}: checkpoint does not match the HF config ({cfg.model_type}, {cfg.layers} "
+                              f"layers, {cfg.experts} experts): {problems[0]}"
+                              + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        check_weight_dtypes(path, cfg, ((self.stored[h], self._dt(h)) for h in self.shapes))
+        dts = {self._dt(h) for h in self.shapes}
+        self.dtype = dts.pop() if len(dts) == 1 else None
+
+    def _dt(self, name: str):
+        return torch_dtype(self.ckpt.tensors[self.stored[name]][1])
+
+    def describe(self) -> dict:
+        out = self.ckpt.describe()
+        out["lora"] = {"modules": len(self.lora), "adapters": sorted({a for m in self.lora.values()
+                                                                      for _, a in m.values()})} if self.lora else None
+        return out
+
+    def names(self):
+        return list(self.shapes)
+
+    def dtype_names(self) -> set:
+        return {dtype_name(self._dt(h)) for h in self.shapes}
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self._dt(name)
+
+    def sources(self, name: str, box: Box):
+        """(engine Rec, box in it, HF sub-box) of every stored shard of ``name`` overlapping ``box``."""
+        yield from self.ckpt.sources(self.stored[name], box)
+
+    def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        shp = self.shapes[name]
+        box = _full(shp, box)
+        out = torch.empty(box_shape(box), dtype=dtype or self._dt(name))
+        for rec, sbox, hsub in self.sources(name, box):
+            part = read_rec_box(rec, sbox)
+            out[box_slices(box_shift(hsub, [b[0] for b in box]))].copy_(part.reshape(box_shape(hsub)))
+        return out
+
+    def positions(self) -> dict:
+        out = {}
+        for h in self.shapes:
+            ps = self.ckpt.tensors[self.stored[h]][2]
+            out[h] = min(((p.rec.path, p.rec.offset) for p in ps), default=("\uffff", 0))
+        return out
+
+    def integrity(self) -> list[str]:
+        out = []
+        for h in self.shapes:
+            why = self.ckpt.coverage(self.stored[h])
+            if why:
+                out.append(f"{self.stored[h]}: {why}")
+        for mod, parts in self.lora.items():
+            for ab in "AB":
+                if ab not in parts:
+                    out.append(f"{mod}: lora_{ab} missing")
+                else:
+                    why = self.ckpt.coverage(parts[ab][0])
+                    if why:
+                        out.append(f"{parts[ab][0]}: {why}")
+        return out
+
+
 def open_view(path: str, cfg: ModelConfig | None = None, prefix: str | None = None, spec: str | None = None):
-    """Detect the format of ``path`` (HF safetensors dir, torch_dist dir, vLLM shard dir) and open it."""
+    """Detect the format of ``path`` (HF safetensors dir, torch_dist dir, vLLM shard dir, verl FSDP dir) and open
+    it."""
+    if is_fsdp(path):
+        return FsdpView(path, cfg)
     if os.path.isfile(os.path.join(path, VLLM_META)):
         return VllmView(path, cfg)
     if os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata")):
@@ -449,4 +584,4 @@ def open_view(path: str, cfg: ModelConfig | None = None, prefix: str | None = No
     raise FormatError(f"{path}: no such directory")
 
 
-ERRORS = (FormatError, HFError, DistCkptError, LayoutError)
+ERRORS = (FormatError, HFError, DistCkptError, LayoutError, FsdpError)
