@@ -217,7 +217,8 @@ def cmd_fsdp2hf(args) -> int:
                         workers=args.workers, overwrite=args.overwrite, progress=_prog(args),
                         max_memory=args.max_memory, direct_io=not args.buffered_io, io_threads=args.io_threads,
                         dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
-                        merge_lora=args.merge_lora, lora_adapter_out=args.lora_adapter_out)
+                        merge_lora=args.merge_lora, lora_adapter_out=args.lora_adapter_out,
+                        lora_alpha=args.lora_alpha, lora_rslora=args.lora_rslora)
     f = r["fsdp"]
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards from FSDP"
           f"{f['fsdp_version']} world {f['world_size']} ({r['dtype']}) in {r['seconds']:.1f}s"
@@ -294,9 +295,8 @@ def cmd_verify(args) -> int:
             return HFView(p, cfg)
         if k == "mcore":
             return McoreView(p, cfg, prefix=args.prefix, cache_bytes=cache)
-        if k == "fsdp":  # a LoRA checkpoint is compared as the merged model (formats/lora.py)
-            v = FsdpView(p, cfg, lora="merge" if _has_lora(p) else None)
-            return v
+        if k == "fsdp":  # (a LoRA checkpoint is refused: compare fsdp2hf's output instead)
+            return FsdpView(p, cfg)
         return VllmView(p, cfg)
 
     if len(given) == 1:  # the checkpoint alone: any problem found in it is exit 1
@@ -385,13 +385,6 @@ def _fsdp_config(path: str) -> str:
     from ..formats.fsdp import hf_config_dir
 
     return (hf_config_dir(path) or path) if convert.is_fsdp(path) else path
-
-
-def _has_lora(path: str) -> bool:
-    from ..formats.fsdp import FsdpCheckpoint
-    from ..formats.views import peft_names
-
-    return bool(peft_names(FsdpCheckpoint(path).tensors)[1])
 
 
 def cmd_inspect(args) -> int:

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA checkpoint: write the base model to --out and the adapter in peft's layout "
                         "(adapter_model.safetensors + adapter_config.json) to DIR; a LoRA checkpoint without this "
                         "or --merge-lora is refused")
+    p.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA checkpoint: verl's actor_rollout_ref.model.lora_alpha (verl does not save it; "
+                        "scaling = alpha / r, r read from the stored lora_A)")
+    p.add_argument("--lora-rslora", action="store_true", help="LoRA trained with use_rslora: scaling = alpha / sqrt(r)")
     p.add_argument("--max-shard-size", type=SIZE, default="5GB", help="max bytes per safetensors shard (default 5GB)")
     p.add_argument("--workers", type=COUNT, default=2, help="parallel shard writers (default 2)")
     p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on in-flight buffers (default 4GiB)")

@@ -280,7 +280,8 @@ def fsdp2mcore(src: str, out: str, hf_config: str | None = None, pp=1, tp=1, ep=
 
 def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
             overwrite=False, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8, dist_timeout=None,
-            divide="files", no_mtp=False, merge_lora=False, lora_adapter_out=None) -> dict:
+            divide="files", no_mtp=False, merge_lora=False, lora_adapter_out=None, lora_alpha=None,
+            lora_rslora=False) -> dict:
     """A verl FSDP checkpoint (``global_step_N/actor``: FSDP1 / FSDP2 rank files, formats/fsdp.py) -> HF
     safetensors: mcore2hf's counterpart, the same driver and engine (manifest, atomic publish). Optimizer and
     extra-state files are not read. A LoRA checkpoint needs ``merge_lora`` or ``lora_adapter_out``."""
@@ -304,8 +305,19 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size, ops,
                              _side_dir(cfg_dir), cfg.raw, cfg.config_edits())
 
-    view, _, res = convert(Job(out, "hf", "fsdp2hf", inputs, src, lambda: FsdpView(src, cfg, lora=lora),
-                               destination), opts, FormatError)
+    opened = []
+
+    def open_src():
+        opened.append(FsdpView(src, cfg, lora=lora, lora_alpha=lora_alpha, lora_rslora=lora_rslora))
+        return opened[-1]
+
+    try:
+        view, _, res = convert(Job(out, "hf", "fsdp2hf", inputs, src, open_src, destination), opts, FormatError)
+    finally:
+        if opened and lora == "merge":
+            from ..formats.lora import cleanup
+
+            cleanup(opened[-1])
     if lora == "adapter":
         from ..formats.lora import write_adapter
 

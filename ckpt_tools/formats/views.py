@@ -468,8 +468,10 @@ class FsdpView:
 
     kind = "fsdp"
 
-    def __init__(self, path: str, cfg: ModelConfig | None = None, lora: str | None = None):
+    def __init__(self, path: str, cfg: ModelConfig | None = None, lora: str | None = None,
+                 lora_alpha: float | None = None, lora_rslora: bool = False):
         self.path = path
+        self.lora_alpha, self.lora_rslora, self.scratch = lora_alpha, lora_rslora, None
         if cfg is None:
             d = hf_config_dir(path)
             if d is None:
@@ -489,6 +491,24 @@ class FsdpView:
         if lora in ("merge", "adapter") and not self.lora:
             raise FormatError(f"{path}: --merge-lora / --lora-adapter-out given, but the checkpoint holds no LoRA "
                               f"weights (no lora_A / lora_B names)")
+        if lora in ("merge", "adapter") and lora_alpha is None:
+            raise FormatError(f"{path}: a LoRA checkpoint: pass --lora-alpha (verl's "
+                              f"actor_rollout_ref.model.lora_alpha; verl does not save it in the checkpoint)")
+        other = [n for n in base.values() if "lora_" in n]
+        if other:
+            raise FormatError(f"{path}: holds {other[0]}: LoRA weights other than lora_A / lora_B (bias, DoRA, "
+                              f"embedding adapters) are not supported")
+        for mod, parts in self.lora.items():
+            if set(parts) != {"A", "B"} or len({a for _, a in parts.values()}) != 1:
+                raise FormatError(f"{path}: {mod}: needs one lora_A and one lora_B of one adapter, has "
+                                  f"{sorted(n for n, _ in parts.values())}")
+            (a, _), (b, _) = parts["A"], parts["B"]
+            sa, sb = self.ckpt.tensors[a][0], self.ckpt.tensors[b][0]
+            w = base.get(mod + ".weight")
+            sw = self.ckpt.tensors[w][0] if w else None
+            if len(sa) != 2 or len(sb) != 2 or sb[1] != sa[0] or sw is None or tuple(sw) != (sb[0], sa[1]):
+                raise FormatError(f"{path}: {mod}: lora_A {list(sa)} / lora_B {list(sb)} do not adapt a weight "
+                                  f"{list(sw) if sw else '(none)'} as peft's Linear does")
         untied = set(hf_shapes(dataclasses.replace(cfg, tie_embeddings=False))) - set(self.shapes)
         self.stored = {}
         problems = []
@@ -531,18 +551,38 @@ class FsdpView:
     def dtype_of(self, name: str) -> torch.dtype:
         return self._dt(name)
 
+    def adapted(self, name: str) -> bool:
+        """HF weight ``name`` has a LoRA adapter merged into it (``lora`` "merge")."""
+        return self.lora_mode == "merge" and name.endswith(".weight") and name[:-7] in self.lora
+
     def sources(self, name: str, box: Box):
-        """(engine Rec, box in it, HF sub-box) of every stored shard of ``name`` overlapping ``box``."""
+        """(engine Rec, box in it, HF sub-box) of every stored shard of ``name`` overlapping ``box``; a merged
+        weight has none (formats/lora.py computes it)."""
+        if self.adapted(name):
+            raise FormatError(f"{self.path}: {name} is a LoRA-merged weight: not a copy of stored boxes")
         yield from self.ckpt.sources(self.stored[name], box)
 
-    def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
-        shp = self.shapes[name]
+    def read_stored(self, stored: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        """``box`` of the checkpoint's tensor ``stored`` (its own name), as stored."""
+        shp, dt = self.ckpt.tensors[stored][:2]
         box = _full(shp, box)
-        out = torch.empty(box_shape(box), dtype=dtype or self._dt(name))
-        for rec, sbox, hsub in self.sources(name, box):
+        out = torch.empty(box_shape(box), dtype=dtype or torch_dtype(dt))
+        for rec, sbox, hsub in self.ckpt.sources(stored, box):
             part = read_rec_box(rec, sbox)
             out[box_slices(box_shift(hsub, [b[0] for b in box]))].copy_(part.reshape(box_shape(hsub)))
         return out
+
+    def read_base(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        return self.read_stored(self.stored[name], box, dtype)
+
+    def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        if self.adapted(name):
+            from .lora import merged_tensor
+
+            t = merged_tensor(self, name)
+            t = t[box_slices(box)] if box is not None else t
+            return t.to(dtype) if dtype is not None else t
+        return self.read_base(name, box, dtype)
 
     def positions(self) -> dict:
         out = {}
