@@ -511,16 +511,29 @@ class FsdpView:
                                   f"{list(sw) if sw else '(none)'} as peft's Linear does")
         untied = set(hf_shapes(dataclasses.replace(cfg, tie_embeddings=False))) - set(self.shapes)
         self.stored = {}
+        self.fused = self._fused(base)  # HF name -> (stored fused name, expert, first row)
         problems = []
         for h, n in base.items():
             if h in self.shapes:
                 self.stored[h] = n
+            elif any(f[0] == n for f in self.fused.values()):
+                continue
             elif h not in untied and not dropped(cfg)(h):
                 problems.append(f"holds {n}, which the HF config does not explain - another model or a mismatched "
                                 f"--hf-config?")
+        for h, (n, _, _) in self.fused.items():
+            if h in self.shapes:
+                self.stored[h] = n
         for h, shp in self.shapes.items():
             if h not in self.stored:
                 problems.append(f"missing {h}" + _mtp_hint(cfg, [h]))
+                continue
+            if h in self.fused:
+                n, _, _ = self.fused[h]
+                got, parts = self.ckpt.tensors[n][0], self._parts[n]
+                if len(got) != 3 or got[1] % parts or (got[1] // parts, got[2]) != tuple(shp):
+                    problems.append(f"{n} has shape {list(got)}, the HF config implies {parts} parts of {list(shp)} "
+                                    f"per expert")
                 continue
             got = self.ckpt.tensors[self.stored[h]][0]
             if tuple(got) != tuple(shp):
@@ -532,6 +545,26 @@ class FsdpView:
         check_weight_dtypes(path, cfg, ((self.stored[h], self._dt(h)) for h in self.shapes))
         dts = {self._dt(h) for h in self.shapes}
         self.dtype = dts.pop() if len(dts) == 1 else None
+
+    def _fused(self, base: dict) -> dict:
+        """The fused expert tensors of transformers >= 5's models (the family's ``HF_FUSED``, converters/) as
+        boxes: HF name of expert e's part j -> (stored name, e, j * rows)."""
+        table = getattr(converters.get(self.cfg.model_type), "HF_FUSED", {})
+        out, self._parts = {}, {}
+        for h, n in base.items():
+            key = next((k for k in table if h.endswith("." + k)), None)
+            if key is None or h in self.shapes:
+                continue
+            shp, parts = self.ckpt.tensors[n][0], table[key]
+            if len(shp) != 3:
+                continue  # reported as unexplained
+            rows = shp[1] // len(parts)
+            self._parts[n] = len(parts)
+            pre = h[: -len(key)]
+            for e in range(shp[0]):
+                for j, part in enumerate(parts):
+                    out[pre + part.format(e=e)] = (n, e, j * rows)
+        return out
 
     def _dt(self, name: str):
         return torch_dtype(self.ckpt.tensors[self.stored[name]][1])
@@ -560,6 +593,12 @@ class FsdpView:
         weight has none (formats/lora.py computes it)."""
         if self.adapted(name):
             raise FormatError(f"{self.path}: {name} is a LoRA-merged weight: not a copy of stored boxes")
+        if name in self.fused:  # expert e's rows of the fused tensor: a box with the expert axis in front
+            n, e, r0 = self.fused[name]
+            sbox = ((e, e + 1), (box[0][0] + r0, box[0][1] + r0)) + tuple(box[1:])
+            for rec, rbox, g in self.ckpt.sources(n, sbox):
+                yield rec, rbox, ((g[1][0] - r0, g[1][1] - r0),) + tuple(g[2:])
+            return
         yield from self.ckpt.sources(self.stored[name], box)
 
     def read_stored(self, stored: str, box: Box | None = None, dtype=None) -> torch.Tensor:
@@ -573,6 +612,11 @@ class FsdpView:
         return out
 
     def read_base(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
+        if name in self.fused:
+            n, e, r0 = self.fused[name]
+            box = _full(self.shapes[name], box)
+            sbox = ((e, e + 1), (box[0][0] + r0, box[0][1] + r0)) + tuple(box[1:])
+            return self.read_stored(n, sbox, dtype).reshape(box_shape(box))
         return self.read_stored(self.stored[name], box, dtype)
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
@@ -589,14 +633,16 @@ class FsdpView:
         for h in self.shapes:
             ps = self.ckpt.tensors[self.stored[h]][2]
             out[h] = min(((p.rec.path, p.rec.offset) for p in ps), default=("\uffff", 0))
+            if h in self.fused:  # the expert's own rows: the source order
+                out[h] = (out[h][0], out[h][1] + self.fused[h][1])
         return out
 
     def integrity(self) -> list[str]:
         out = []
-        for h in self.shapes:
-            why = self.ckpt.coverage(self.stored[h])
+        for n in dict.fromkeys(self.stored[h] for h in self.shapes):
+            why = self.ckpt.coverage(n)
             if why:
-                out.append(f"{self.stored[h]}: {why}")
+                out.append(f"{n}: {why}")
         for mod, parts in self.lora.items():
             for ab in "AB":
                 if ab not in parts:
