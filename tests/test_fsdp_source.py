@@ -71,9 +71,15 @@ def fsdp1_moe(work, moe_hf):
 
 
 @pytest.fixture(scope="module")
-def hsdp_lora(work, dense_hf):
-    """HSDP (a ("ddp", "fsdp") 2 x 2 mesh: Replicate x Shard(0)), world 4, bf16, peft LoRA on q/v."""
-    return _world(os.path.join(work, "hsdp"), dense_hf, fsdp=2, world=4, hsdp=2, dtype="bfloat16", lora=LORA)
+def odd_hf(work):
+    """The dense model with an odd vocab (251 rows): FSDP's last shard of the embedding and head is short."""
+    return make_tiny_hf(os.path.join(work, "odd_hf"), model_type="qwen2", vocab_size=251)
+
+
+@pytest.fixture(scope="module")
+def hsdp_lora(work, odd_hf):
+    """HSDP (a ("ddp", "fsdp") 2 x 2 mesh: Replicate x Shard(0)), world 4, bf16, peft LoRA on q/v, uneven shards."""
+    return _world(os.path.join(work, "hsdp"), odd_hf, fsdp=2, world=4, hsdp=2, dtype="bfloat16", lora=LORA)
 
 
 def _hf(out: str) -> dict:
@@ -160,7 +166,7 @@ def test_fsdp1_moe_to_hf_is_the_trained_model(fsdp1_moe, moe_hf, work):
     assert torch.equal(_logits(out), fsdp1_moe["logits"])
 
 
-def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, dense_hf, work):
+def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, odd_hf, work):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -168,6 +174,8 @@ def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, dense_hf, 
     info = FsdpCheckpoint(ck).describe()
     assert info["mesh"] == [2, 2] and info["mesh_dim_names"] == ("ddp", "fsdp")
     assert "Replicate()+Shard(0)" in info["placements"]
+    emb = FsdpCheckpoint(ck).tensors["base_model.model.model.embed_tokens.weight"]
+    assert emb[0] == (251, 128) and sorted(p.box[0] for p in emb[2]) == [(0, 126), (126, 251)]  # short last shard
     # no choice made: refused, nothing written
     out = os.path.join(work, "lora_none")
     with pytest.raises(convert.FormatError, match="--merge-lora .* --lora-adapter-out"):
@@ -178,7 +186,7 @@ def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, dense_hf, 
     # merged: peft's merge_and_unload of the trained adapter, bit for bit (bf16: get_delta_weight's fp32 cast)
     merged = os.path.join(work, "lora_merged")
     convert.fsdp2hf(ck, merged, merge_lora=True, lora_alpha=LORA["alpha"], progress=False)
-    base = AutoModelForCausalLM.from_pretrained(dense_hf, dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(odd_hf, dtype=torch.bfloat16)
     pm = get_peft_model(base, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["targets"],
                                          bias="none", task_type="CAUSAL_LM"))
     pm.load_state_dict(hsdp_lora["full"], strict=True)
@@ -189,7 +197,7 @@ def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, dense_hf, 
     # adapter: base + peft's layout; peft loads it and the logits are the trained model's
     base_out, ad = os.path.join(work, "lora_base"), os.path.join(work, "lora_adapter")
     r = convert.fsdp2hf(ck, base_out, lora_adapter_out=ad, lora_alpha=LORA["alpha"], progress=False)
-    layers = json.load(open(os.path.join(dense_hf, "config.json")))["num_hidden_layers"]
+    layers = json.load(open(os.path.join(odd_hf, "config.json")))["num_hidden_layers"]
     assert r["adapter"]["r"] == LORA["r"] and r["adapter"]["modules"] == 2 * layers  # q, v of every layer
     assert torch.equal(_logits(base_out, torch.bfloat16, ad), hsdp_lora["logits"])
 
@@ -314,3 +322,17 @@ def test_vllm_loads_reshard_to_vllm_of_the_fsdp_checkpoint_bit_for_bit(fsdp2, wo
         assert sorted(g) == sorted(w)
         assert not [k for k in w if not _same(g[k], w[k])]
     assert ours["tokens"] == ref["tokens"] and len(ref["tokens"][0]) == 8
+
+
+def test_shard_boxes_are_torchs_chunking():
+    """formats/fsdp.py's row ranges of Shard(d) are torch's own (Shard.local_shard_size_and_offset), uneven and
+    empty last shards included."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    from ckpt_tools.formats.fsdp import _chunk
+
+    for size in (1, 2, 5, 7, 8, 250, 251, 1023):
+        for n in (1, 2, 3, 4, 8, 16):
+            for c in range(n):
+                length, offset = Shard.local_shard_size_and_offset(size, n, c)
+                assert _chunk(size, n, c) == (int(offset), int(length)), (size, n, c)
