@@ -110,7 +110,7 @@ def bench(args):
     same = _same(ours, theirs) if os.path.isdir(ours) and os.path.isdir(theirs) else None
     print(f"\nsource: {dir_bytes(src) / 1e9:.2f} GB in {args.world} rank files ({'fp32' if args.fp32_source else 'bf16'})"
           f"; fsdp2hf output equals verl's merger's bit for bit: {same}")
-    print(f"{'step':<22} {'time (min)':>10} {'/ raw':>7} {'peak RSS':>10}")
+    print(f"{'step':<22} {'best s':>10} {'/ raw':>7} {'peak RSS':>10}")
     raw = min(r["seconds"] for r in rows if r["step"] == RAW)
     for name in steps:
         rs = [r for r in rows if r["step"] == name]

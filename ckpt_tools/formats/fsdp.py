@@ -251,7 +251,7 @@ def _chunk(size: int, n: int, c: int) -> tuple[int, int]:
 
 def _mesh_info(mesh, rank: int):
     """(mesh dim sizes, this rank's coordinates, dim names) of a DeviceMesh record."""
-    names = getattr(mesh, "_mesh_dim_names", None)
+    names = getattr(mesh, "_mesh_dim_names", None) or getattr(mesh, "mesh_dim_names", None)  # (torch < 2.10)
     shape = None
     lay = getattr(mesh, "_layout", None)
     if lay is not None and getattr(lay, "axes", None) is not None:  # torch >= 2.10: _MeshLayout of _FlatLayouts
@@ -297,6 +297,7 @@ class RankFile:
             raise FsdpError(f"{path}: holds a {type(self.sd).__name__}, not a model state dict")
         self._zr = zr
         self._offsets: dict = {}
+        self._size_of = None
 
     def rec(self, name: str, t: TensorRef) -> Rec:
         """The engine source record of plain tensor ``t`` (contiguous row-major, inside its storage)."""
@@ -304,8 +305,11 @@ class RankFile:
         key = f"data/{st.key}"
         got = self._offsets.get(key)
         if got is None:
+            size = self._sizes().get(key)
             try:
-                got = self._offsets[key] = (self._zr.get_record_offset(key), self._zr.get_record_size(key))
+                if size is None:
+                    raise KeyError(key)
+                got = self._offsets[key] = (self._zr.get_record_offset(key), size)
             except Exception:  # noqa: BLE001
                 raise FsdpError(f"{self.path}: {name}: its storage {key} is not in the file") from None
         off, size = got
@@ -323,6 +327,16 @@ class RankFile:
             raise FsdpError(f"{self.path}: {name} runs past its storage ({t.offset}+{n} of {st.numel} elements, "
                             f"{size} bytes stored)")
         return Rec(self.path, off + t.offset * dt.itemsize, t.size, dt, what=f"{name} in {os.path.basename(self.path)}")
+
+    def _sizes(self) -> dict:
+        """Zip entry (record name without the archive's folder) -> stored size, from the central directory
+        (the standard library's zip reader: torch < 2.8's reader has no get_record_size)."""
+        if self._size_of is None:
+            import zipfile
+
+            with zipfile.ZipFile(self.path) as z:
+                self._size_of = {i.filename.split("/", 1)[-1]: i.file_size for i in z.infolist()}
+        return self._size_of
 
     def read_small(self, t: TensorRef):
         """A small plain tensor's values (a mesh tensor of an older torch's DeviceMesh)."""
