@@ -15,6 +15,7 @@ from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, torch_dtype
 from ..dist import ranks as distributed
 from ..formats.fp8 import BlockScaledReader, format_fp8
+from ..formats.fsdp import hf_config_dir
 from ..formats.torch_dist import SIDE_CAR
 from ..formats.views import ERRORS, FsdpView, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
@@ -382,8 +383,6 @@ def cmd_plan(args) -> int:
 
 def _fsdp_config(path: str) -> str:
     """A verl FSDP checkpoint dir given as a config: its huggingface/ (formats/fsdp.py); else ``path``."""
-    from ..formats.fsdp import hf_config_dir
-
     return (hf_config_dir(path) or path) if convert.is_fsdp(path) else path
 
 

@@ -14,6 +14,7 @@ from ..copy.plan import Op
 from ..core.lazy import torch, torch_dtype
 from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
+from ..formats.lora import cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination
 from ..formats.views import FormatError, FsdpView, HFView, McoreView, open_view, widest
 from ..formats.vllm_format import VllmDestination
@@ -298,9 +299,7 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     def destination(view):
         dts.update((n, dt or view.dtype_of(n)) for n in view.names())
         ops = functools.partial(_hf_ops, view)
-        if lora == "merge":
-            from ..formats.lora import merged_ops  # (the LoRA stage: formats/lora.py)
-
+        if lora == "merge":  # the LoRA stage: formats/lora.py
             ops = merged_ops(view, out, ops)
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size, ops,
                              _side_dir(cfg_dir), cfg.raw, cfg.config_edits())
@@ -315,12 +314,8 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
         view, _, res = convert(Job(out, "hf", "fsdp2hf", inputs, src, open_src, destination), opts, FormatError)
     finally:
         if opened and lora == "merge":
-            from ..formats.lora import cleanup
-
             cleanup(opened[-1])
     if lora == "adapter":
-        from ..formats.lora import write_adapter
-
         res["adapter"] = write_adapter(view, lora_adapter_out, overwrite)
     res.update(fsdp=view.describe(), dtype="+".join(sorted(set(map(str, dts.values())))))
     return res

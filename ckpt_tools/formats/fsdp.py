@@ -25,10 +25,12 @@ verl's own merger (``verl/model_merger/fsdp_model_merger.py``) ``torch.load``\\ 
 from __future__ import annotations
 
 import glob
+import io
 import math
 import os
 import pickle
 import re
+import zipfile
 from collections import OrderedDict
 
 from ..copy.plan import Rec
@@ -285,8 +287,6 @@ class RankFile:
             raise FsdpError(f"{path}: no data.pkl (a torch.save file from torch's legacy format is not supported)")
         if "byteorder" in records and bytes(zr.get_record("byteorder")) != b"little":
             raise FsdpError(f"{path}: big-endian tensors are not supported")
-        import io
-
         try:
             self.sd = FsdpUnpickler(io.BytesIO(bytes(zr.get_record("data.pkl"))), path).load()
         except (UnsafePickleError, FsdpError):
@@ -332,8 +332,6 @@ class RankFile:
         """Zip entry (record name without the archive's folder) -> stored size, from the central directory
         (the standard library's zip reader: torch < 2.8's reader has no get_record_size)."""
         if self._size_of is None:
-            import zipfile
-
             with zipfile.ZipFile(self.path) as z:
                 self._size_of = {i.filename.split("/", 1)[-1]: i.file_size for i in z.infolist()}
         return self._size_of

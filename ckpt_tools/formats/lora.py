@@ -35,6 +35,7 @@ from ..copy.plan import Op, Rec
 from ..core.errors import InputError
 from ..core.lazy import torch
 from ..layout import full_box
+from .hf import safetensors_files
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -86,11 +87,17 @@ def merged_ops(view, out: str, ops):
                                             dir=os.path.dirname(os.path.abspath(out)))
         path = os.path.join(view.scratch, f"{len(os.listdir(view.scratch))}.bin")
         with open(path, "wb") as f:
-            f.write(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes())
+            f.write(_raw(t))
         src = Rec(path, 0, tuple(t.shape), t.dtype, what=f"{name} (LoRA merged)")
         return [Op(src, full_box(t.shape), rec, full_box(rec.shape))]
 
     return fn
+
+
+def _raw(t) -> bytes:
+    """A contiguous CPU tensor's bytes (numpy has no bfloat16: viewed as int16)."""
+    t = t.contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
 def cleanup(view):
@@ -113,8 +120,6 @@ def adapter_config(view) -> dict:
 
 def write_adapter(view, out: str, overwrite: bool = False) -> dict:
     """peft's adapter layout of ``view``'s LoRA weights in ``out`` (staged beside it, renamed when whole)."""
-    from safetensors.torch import save_file
-
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite:
         raise LoraError(f"--lora-adapter-out {out} exists (pass --overwrite to replace it)")
@@ -125,7 +130,14 @@ def write_adapter(view, out: str, overwrite: bool = False) -> dict:
             tensors[f"base_model.model.{mod}.lora_{ab}.weight"] = view.read_stored(parts[ab][0]).contiguous()
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".partial-", dir=os.path.dirname(out))
     try:
-        save_file(tensors, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+        ((_, head, size, where),) = safetensors_files([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                                                      1 << 62, ADAPTER_FILE)
+        with open(os.path.join(tmp, ADAPTER_FILE), "wb") as f:  # formats/hf.py's layout: header, then the data
+            f.write(head)
+            for n, (off, _, _) in where.items():
+                f.seek(off)
+                f.write(_raw(tensors[n]))
+            f.truncate(size)
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(cfg, f, indent=2)
         if os.path.exists(out):
