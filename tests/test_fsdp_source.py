@@ -336,3 +336,11 @@ def test_shard_boxes_are_torchs_chunking():
             for c in range(n):
                 length, offset = Shard.local_shard_size_and_offset(size, n, c)
                 assert _chunk(size, n, c) == (int(offset), int(length)), (size, n, c)
+
+
+@pytest.mark.parametrize("alpha", ["0", "-8", "nan", "inf", "x"])
+def test_lora_alpha_is_checked(alpha, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fsdp2hf", "--fsdp", "F", "--out", "O", "--merge-lora", "--lora-alpha", alpha])
+    assert e.value.code == 2
+    assert "argument --lora-alpha: must be a number above 0" in capsys.readouterr().err

@@ -28,6 +28,17 @@ def _layers(s):
                                          f"(got {s!r})") from None
 
 
+def _lora_alpha(s):
+    """--lora-alpha: a finite number > 0 (peft's scaling is alpha / r)."""
+    try:
+        v = float(s)
+    except ValueError:
+        v = float("nan")
+    if not (0 < v <= 1e6):
+        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1e6 (got {s!r})")
+    return v
+
+
 def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec_default="te", vocab_note=""):
     """The Megatron target flags (hf2mcore; reshard --to mcore, where --tp/--ep are shared with the vLLM target and
     defined by reshard itself, and --spec defaults to None so that --to vllm can refuse it)."""
@@ -149,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA checkpoint: write the base model to --out and the adapter in peft's layout "
                         "(adapter_model.safetensors + adapter_config.json) to DIR; a LoRA checkpoint without this "
                         "or --merge-lora is refused")
-    p.add_argument("--lora-alpha", type=float, default=None,
+    p.add_argument("--lora-alpha", type=_lora_alpha, default=None,
                    help="LoRA checkpoint: verl's actor_rollout_ref.model.lora_alpha (verl does not save it; "
                         "scaling = alpha / r, r read from the stored lora_A)")
     p.add_argument("--lora-rslora", action="store_true", help="LoRA trained with use_rslora: scaling = alpha / sqrt(r)")

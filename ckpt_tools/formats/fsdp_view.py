@@ -66,6 +66,8 @@ class FsdpView:
         if lora in ("merge", "adapter") and not self.lora:
             raise FormatError(f"{path}: --merge-lora / --lora-adapter-out given, but the checkpoint holds no LoRA "
                               f"weights (no lora_A / lora_B names)")
+        if lora in ("merge", "adapter") and lora_alpha is not None and not (0 < lora_alpha <= 1e6):
+            raise FormatError(f"--lora-alpha must be a number above 0 and at most 1e6 (got {lora_alpha!r})")
         if lora in ("merge", "adapter") and lora_alpha is None:
             raise FormatError(f"{path}: a LoRA checkpoint: pass --lora-alpha (verl's "
                               f"actor_rollout_ref.model.lora_alpha; verl does not save it in the checkpoint)")
