@@ -47,3 +47,10 @@ LAYER = c.ATTENTION + [
     *c.experts("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
 ] + c.DENSE_MLP
 WEIGHT_NAMES, EXTRA_STATE, WEIGHT_DTYPES, DERIVED_BUFFERS = c.WEIGHT_NAMES, c.EXTRA_STATE, c.WEIGHT_DTYPES, c.DERIVED_BUFFERS
+# transformers >= 5 keeps a layer's experts fused in the model itself, so its state dict (and a verl FSDP checkpoint
+# of it, ckpt_tools/formats/fsdp.py) names them so: transformers/conversion_mapping.py "qwen2_moe" (qwen3_moe maps to
+# it): gate_up_proj = MergeModulelist(dim=0) + Concatenate(dim=1) of the experts' gate_proj, up_proj weights
+# ([E, 2 * moe_ffn, hidden]), down_proj = MergeModulelist(dim=0) of their down_proj ([E, hidden, moe_ffn]).
+# Fused name (after the layer prefix) -> the HF names of its equal parts along dim 1, per expert e.
+HF_FUSED = {"mlp.experts.gate_up_proj": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+            "mlp.experts.down_proj": ("mlp.experts.{e}.down_proj.weight",)}

@@ -7,6 +7,7 @@ requests, 4 files in flight, GNU dd: what the disk gives a streaming copy); ever
     python scripts/bench.py --quick                # ~1 GB, one repeat, no baseline: a smoke run
     python scripts/bench.py --distributed          # 3 GB: hf2mcore, mcore2hf, verify on 1, 2 and 4 processes
     python scripts/bench.py --fp8                  # FP8 sources: dequant vs bf16 copy, 1 and 3 GB of FP8, RSS
+    python scripts/bench.py --fsdp                 # verl FSDP -> HF: fsdp2hf vs verl's merger vs raw copy, RSS
 
 ``--procs 1 2 4`` runs every step that can (hf2mcore, mcore2hf, reshard, verify) also under ``torchrun
 --nproc-per-node N`` (ckpt_tools.torchrun: every rank writes its share) and prints each one's time as a
@@ -351,9 +352,19 @@ def main():
     ap.add_argument("--json", default=None, help="write rows and summary here")
     ap.add_argument("--fp8", action="store_true", help="FP8 sources: dequant vs bf16 copy, kernel and hf2mcore "
                     "(--size-gb: GB of FP8, default 1 3), peak RSS")
+    ap.add_argument("--fsdp", action="store_true", help="verl FSDP checkpoint -> HF: fsdp2hf vs verl's merger vs the "
+                    "raw copy, time and peak RSS (--size-gb: default 2; scripts/bench_fsdp.py)")
+    ap.add_argument("--world", type=int, default=2, help="--fsdp: ranks of the synthetic checkpoint (default 2)")
+    ap.add_argument("--fp32-source", action="store_true", help="--fsdp: fp32 rank files (verl's master weights)")
     args = ap.parse_args()
     if args.fp8:
         return fp8_bench(args)
+    if args.fsdp:
+        from bench_fsdp import bench as fsdp_bench
+
+        if args.repeats == 3:
+            args.repeats = 1
+        return fsdp_bench(args)
     sizes = args.size_gb
     if args.quick:
         sizes, args.repeats, args.no_baseline = [1.0], 1, True

@@ -80,7 +80,7 @@ def test_every_bad_number_is_a_usage_error_naming_the_flag(capsys):
 
 def test_every_numeric_flag_has_a_checked_type():
     """No numeric flag parsed by a bare int / float (which take 0, -1, nan, inf)."""
-    for cmd in ("hf2mcore", "mcore2hf", "reshard", "verify", "plan", "inspect"):
+    for cmd in ("hf2mcore", "mcore2hf", "fsdp2hf", "reshard", "verify", "plan", "inspect"):
         p = cli.build_parser()
         sub = next(a for a in p._actions if a.dest == "cmd").choices[cmd]
         for a in sub._actions:

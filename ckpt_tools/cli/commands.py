@@ -14,8 +14,9 @@ from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_v
 from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, torch_dtype
 from ..formats.fp8 import BlockScaledReader, format_fp8
+from ..formats.fsdp import hf_config_dir
 from ..formats.torch_dist import SIDE_CAR, recorded_without_mtp
-from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
+from ..formats.views import ERRORS, FsdpView, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
 from ..torchrun import ranks as distributed
@@ -212,6 +213,22 @@ def cmd_mcore2hf(args) -> int:
     return 0
 
 
+def cmd_fsdp2hf(args) -> int:
+    r = convert.fsdp2hf(args.fsdp, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        workers=args.workers, overwrite=args.overwrite, progress=_prog(args),
+                        max_memory=args.max_memory, direct_io=not args.buffered_io, io_threads=args.io_threads,
+                        dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
+                        merge_lora=args.merge_lora, lora_adapter_out=args.lora_adapter_out,
+                        lora_alpha=args.lora_alpha, lora_rslora=args.lora_rslora)
+    f = r["fsdp"]
+    print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards from FSDP"
+          f"{f['fsdp_version']} world {f['world_size']} ({r['dtype']}) in {r['seconds']:.1f}s"
+          + (" (LoRA merged)" if args.merge_lora else "")
+          + (f"; adapter in {r['adapter']['out']}" if r.get("adapter") else "")
+          + "; optimizer / extra_state files not read")
+    return 0
+
+
 def cmd_reshard_mcore(args) -> int:
     vllm_only = [f for f, v in (("--dp", args.dp is not None),
                                 ("--enable-expert-parallel", args.enable_expert_parallel)) if v]
@@ -258,7 +275,7 @@ def cmd_reshard_vllm(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2") if getattr(args, k)]
+    given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2", "fsdp") if getattr(args, k, None)]
     if len(given) not in (1, 2):
         print("ckpt-tools verify: error: give two of --hf, --mcore, --vllm, --hf2 (compare), or one (check it "
               "alone)", file=sys.stderr)
@@ -287,6 +304,8 @@ def cmd_verify(args) -> int:
             return v
         if k == "mcore":
             return McoreView(p, cfg, prefix=args.prefix, cache_bytes=cache)
+        if k == "fsdp":  # (a LoRA checkpoint is refused: compare fsdp2hf's output instead)
+            return FsdpView(p, cfg)
         return VllmView(p, cfg)
 
     if len(given) == 1:  # the checkpoint alone: any problem found in it is exit 1
@@ -333,7 +352,7 @@ def cmd_plan(args) -> int:
     if args.density is not None and not args.sync:
         raise LayoutError("--density needs --sync (it prices the weight sync as a delta)")
     rates = _stage_rates(args) if args.sync else None  # --calibrate's file checked before any work
-    cfg = load_config(args.config)
+    cfg = load_config(_fsdp_config(args.config))
     par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
     nbytes = ITEMSIZE[DTYPES[args.dtype]]
     p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div)
@@ -370,10 +389,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _fsdp_config(path: str) -> str:
+    """A verl FSDP checkpoint dir given as a config: its huggingface/ (formats/fsdp.py); else ``path``."""
+    return (hf_config_dir(path) or path) if convert.is_fsdp(path) else path
+
+
 def cmd_inspect(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
     cfg = load_config(hf_config, recorded_without_mtp(args.path)) if hf_config else None  # as it was written
-    v = open_view(args.path, cfg)
+    if convert.is_fsdp(args.path):  # verl's FSDP: LoRA shown, not refused (inspect writes nothing)
+        v = FsdpView(args.path, cfg, lora="inspect")
+    else:
+        v = open_view(args.path, cfg)
     print_notes(v, "inspect")
     info = {"format": v.kind, "path": args.path, "model_type": v.cfg.model_type, "layers": v.cfg.layers,
             "experts": v.cfg.experts, "tensors": len(v.shapes),
@@ -382,6 +409,8 @@ def cmd_inspect(args) -> int:
         info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))
         info["loaders"] = v.loaders()
+    if v.kind == "fsdp":
+        info["fsdp"] = v.describe()
     chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
     info["manifest"] = chk["manifest"]
     info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
@@ -402,5 +431,5 @@ def run(args) -> int:
     return COMMANDS[args.cmd](args)
 
 
-COMMANDS = {"hf2mcore": cmd_hf2mcore, "mcore2hf": cmd_mcore2hf, "verify": cmd_verify, "plan": cmd_plan,
+COMMANDS = {"hf2mcore": cmd_hf2mcore, "mcore2hf": cmd_mcore2hf, "fsdp2hf": cmd_fsdp2hf, "verify": cmd_verify, "plan": cmd_plan,
             "inspect": cmd_inspect}

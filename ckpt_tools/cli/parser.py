@@ -28,6 +28,17 @@ def _layers(s):
                                          f"(got {s!r})") from None
 
 
+def _lora_alpha(s):
+    """--lora-alpha: a finite number > 0 (peft's scaling is alpha / r)."""
+    try:
+        v = float(s)
+    except ValueError:
+        v = float("nan")
+    if not (0 < v <= 1e6):
+        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1e6 (got {s!r})")
+    return v
+
+
 def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec_default="te", vocab_note=""):
     """The Megatron target flags (hf2mcore; reshard --to mcore, where --tp/--ep are shared with the vLLM target and
     defined by reshard itself, and --spec defaults to None so that --to vllm can refuse it)."""
@@ -82,7 +93,7 @@ def _add_dist(p):
                         "(default 300)")
 
 
-PATH_ARGS = {"hf": "--hf", "out": "--out", "mcore": "--mcore", "src": "--from", "vllm": "--vllm", "hf2": "--hf2",
+PATH_ARGS = {"fsdp": "--fsdp", "lora_adapter_out": "--lora-adapter-out", "hf": "--hf", "out": "--out", "mcore": "--mcore", "src": "--from", "vllm": "--vllm", "hf2": "--hf2",
              "hf_config": "--hf-config", "config": "--config", "path": "PATH", "json": "--json"}
 
 
@@ -132,9 +143,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io(p)
     _add_mtp(p)
 
+    p = sub.add_parser("fsdp2hf", help="verl FSDP checkpoint (FSDP1 / FSDP2 rank files, LoRA included) -> HF "
+                                       "safetensors")
+    p.add_argument("--fsdp", required=True, help="verl's global_step_N/actor dir (model_world_size_W_rank_R.pt + "
+                                                  "fsdp_config.json + huggingface/); read without running its "
+                                                  "pickles; optimizer / extra_state files are not read")
+    p.add_argument("--out", required=True, help="output HF dir")
+    p.add_argument("--hf-config", default=None, help="HF dir (or config.json) of the model (default: huggingface/ "
+                                                      "inside --fsdp, where verl saves it)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="output dtype of every tensor (default: each tensor's stored dtype; verl's own merger "
+                        "writes bf16: --dtype bf16 gives its bytes)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="LoRA checkpoint: write the merged model, W + scaling * B @ A computed as peft's "
+                        "merge_and_unload does on CPU (bitwise)")
+    p.add_argument("--lora-adapter-out", default=None, metavar="DIR",
+                   help="LoRA checkpoint: write the base model to --out and the adapter in peft's layout "
+                        "(adapter_model.safetensors + adapter_config.json) to DIR; a LoRA checkpoint without this "
+                        "or --merge-lora is refused")
+    p.add_argument("--lora-alpha", type=_lora_alpha, default=None,
+                   help="LoRA checkpoint: verl's actor_rollout_ref.model.lora_alpha (verl does not save it; "
+                        "scaling = alpha / r, r read from the stored lora_A)")
+    p.add_argument("--lora-rslora", action="store_true", help="LoRA trained with use_rslora: scaling = alpha / sqrt(r)")
+    p.add_argument("--max-shard-size", type=SIZE, default="5GB", help="max bytes per safetensors shard (default 5GB)")
+    p.add_argument("--workers", type=COUNT, default=2, help="parallel shard writers (default 2)")
+    p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on in-flight buffers (default 4GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_io(p)
+    _add_mtp(p)
+
     p = sub.add_parser("reshard", help="HF or Megatron checkpoint -> vLLM per-rank shards (--to vllm); Megatron "
                                         "-> Megatron for another topology and/or loader spec (--to mcore)")
-    p.add_argument("--from", dest="src", required=True, help="HF dir or dist-checkpoint dir (--to mcore: a dist-checkpoint dir)")
+    p.add_argument("--from", dest="src", required=True, help="HF dir, dist-checkpoint dir or verl FSDP checkpoint dir (global_step_N/actor; --to mcore: a dist-checkpoint or FSDP dir)")
     p.add_argument("--to", choices=["vllm", "mcore"], default="vllm",
                    help="target: vllm (per-rank shards) or mcore (a torch_dist checkpoint for the Megatron topology "
                         "and --spec below: model weights only, optimizer/rng/other entries dropped, no key prefix; "
@@ -176,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore", default=None, help="Megatron dist-checkpoint dir")
     p.add_argument("--vllm", default=None, help="vLLM shard dir (from reshard)")
     p.add_argument("--hf2", default=None, help="a second HF dir (HF vs HF)")
+    p.add_argument("--fsdp", default=None, help="verl FSDP checkpoint dir (global_step_N/actor; its config from "
+                                                 "huggingface/ inside it)")
     p.add_argument("--hf-config", default=None, help="HF config for a Megatron side when --hf is not given")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
     p.add_argument("--json", default=None, help="write the full report as JSON to this path ('-' = stdout)")

@@ -7,7 +7,10 @@ from __future__ import annotations
 from .directions import (
     DTYPES,
     FormatError,
+    fsdp2hf,
+    fsdp2mcore,
     hf2mcore,
+    is_fsdp,
     is_mcore,
     mcore2hf,
     mcore2mcore,
@@ -17,5 +20,5 @@ from .directions import (
     write_torch_dist,
 )
 
-__all__ = ["DTYPES", "FormatError", "hf2mcore", "is_mcore", "mcore2hf", "mcore2mcore", "megatron_parallel",
+__all__ = ["DTYPES", "FormatError", "fsdp2hf", "fsdp2mcore", "is_fsdp", "hf2mcore", "is_mcore", "mcore2hf", "mcore2mcore", "megatron_parallel",
            "open_source", "reshard", "write_torch_dist"]

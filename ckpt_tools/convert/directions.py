@@ -12,9 +12,11 @@ from converters import vllm_names
 
 from ..copy.plan import Op
 from ..core.lazy import dtype_name, torch, torch_dtype
+from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
+from ..formats.lora import cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
-from ..formats.views import FormatError, HFView, McoreView, exact_widening, open_view, widest
+from ..formats.views import FormatError, FsdpView, HFView, McoreView, exact_widening, open_view, widest
 from ..formats.vllm_format import VllmDestination
 from ..layout import (
     LayoutError,
@@ -151,6 +153,12 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
     and other entries dropped, no key prefix), the target spec's _extra_state objects, each target rank's
     chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore."""
+    if is_fsdp(src):
+        return fsdp2mcore(src, out, hf_config, pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last,
+                          layer_list=layer_list, spec=spec, dtype=dtype, workers=workers, max_memory=max_memory,
+                          overwrite=overwrite, vocab_size_divisible_by=vocab_size_divisible_by, progress=progress,
+                          direct_io=direct_io, io_threads=io_threads, dist_timeout=dist_timeout, divide=divide,
+                          no_mtp=no_mtp)
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
@@ -219,6 +227,10 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
 
 def open_source(path: str, hf_config: str | None, prefix=None, no_mtp=False):
     no_mtp = no_mtp or recorded_without_mtp(path)
+    if not hf_config and is_fsdp(path):  # verl's FSDP checkpoint: its config in huggingface/ (formats/fsdp.py)
+        hf_config = hf_config_dir(path)
+        if hf_config is None:
+            raise FormatError(f"{path}: a verl FSDP checkpoint without huggingface/config.json: pass --hf-config DIR")
     cfg = load_config(hf_config or path, no_mtp) if hf_config or no_mtp else None
     return open_view(path, cfg, prefix=prefix)
 
@@ -252,8 +264,9 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
                 return getattr(torch, ts.dtype)
             return dt or widest(view.source_dtype(sg.hf) for sg in ts.segments) or torch.bfloat16
 
+        side = hf_config or (hf_config_dir(src) if is_fsdp(src) else None) or src
         return VllmDestination(VllmLayout(view.cfg, par, names), view, dt_of,
-                               version, _side_dir(hf_config or src), src)
+                               version, _side_dir(side), src)
 
     view, _, res = convert(Job(output, "reshard", src, lambda: open_source(src, hf_config, prefix, True),
                                destination), opts, FormatError)
@@ -270,3 +283,68 @@ def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: 
     job = Job(Output(out_dir, "mcore", overwrite, inputs, DistCkptError), label, None, lambda: source,
               lambda view: TorchDistDestination(layout, view, dtype))
     return convert(job, Options(workers, max_memory, progress, direct_io, io_threads), DistCkptError)[2]
+
+
+def _fsdp_config(src: str, hf_config: str | None, no_mtp: bool):
+    d = hf_config or hf_config_dir(src)
+    if d is None:
+        raise FormatError(f"{src}: a verl FSDP checkpoint without huggingface/config.json: pass --hf-config DIR")
+    return d, load_config(d, no_mtp)
+
+
+def fsdp2mcore(src: str, out: str, hf_config: str | None = None, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
+               layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
+               vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
+               divide="files", no_mtp=False, lora=None) -> dict:
+    """``reshard --from`` a verl FSDP checkpoint ``--to mcore``: its model weights as hf2mcore writes them."""
+    inputs = {"--from": src, "--hf-config": hf_config}
+    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    output = _guarded(out, "mcore", overwrite, inputs)
+    cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
+    topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
+    view, res = _to_mcore(output, src, "fsdp2mcore", lambda: FsdpView(src, cfg, lora=lora), cfg, topo, spec,
+                          dtype, vocab_size_divisible_by, opts)
+    res.update(dropped=0, source_prefix="")
+    return res
+
+
+def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
+            overwrite=False, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8, dist_timeout=None,
+            divide="files", no_mtp=False, merge_lora=False, lora_adapter_out=None, lora_alpha=None,
+            lora_rslora=False) -> dict:
+    """A verl FSDP checkpoint (``global_step_N/actor``: FSDP1 / FSDP2 rank files, formats/fsdp.py) -> HF
+    safetensors: mcore2hf's counterpart, the same driver and engine (manifest, atomic publish). Optimizer and
+    extra-state files are not read. A LoRA checkpoint needs ``merge_lora`` or ``lora_adapter_out``."""
+    inputs = {"--fsdp": src, "--hf-config": hf_config}
+    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    output = _guarded(out, "hf", overwrite, inputs)
+    if merge_lora and lora_adapter_out:
+        raise FormatError("--merge-lora and --lora-adapter-out are two different outputs: give one")
+    cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
+    lora = "merge" if merge_lora else "adapter" if lora_adapter_out else None
+    dt = _dtype(dtype, None)
+    dts = {}
+
+    def destination(view):
+        dts.update((n, dt or view.dtype_of(n)) for n in view.names())
+        ops = functools.partial(_hf_ops, view)
+        if lora == "merge":  # the LoRA stage: formats/lora.py
+            ops = merged_ops(view, out, ops)
+        return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size, ops,
+                             _side_dir(cfg_dir), cfg.raw, cfg.config_edits())
+
+    opened = []
+
+    def open_src():
+        opened.append(FsdpView(src, cfg, lora=lora, lora_alpha=lora_alpha, lora_rslora=lora_rslora))
+        return opened[-1]
+
+    try:
+        view, _, res = convert(Job(output, "fsdp2hf", src, open_src, destination), opts, FormatError)
+    finally:
+        if opened and lora == "merge":
+            cleanup(opened[-1])
+    if lora == "adapter":
+        res["adapter"] = write_adapter(view, lora_adapter_out, overwrite)
+    res.update(fsdp=view.describe(), dtype="+".join(sorted(set(map(str, dts.values())))))
+    return res

@@ -17,7 +17,6 @@ import converters
 from converters import vllm_names
 from converters.vllm_names import file_name
 
-from ..core.errors import InputError
 from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, dtype_name, torch, torch_dtype
 from ..layout import (
@@ -32,25 +31,18 @@ from ..layout import (
     box_slices,
     detect_spec,
     dropped,
-    full_box,
     hf_shapes,
     vllm_parallel,
 )
 from ..layout.model_config import ModelConfig, load_config
 from .fp8 import open_reader
+from .fsdp import FsdpError, is_fsdp
+from .fsdp_view import FsdpView, peft_names  # noqa: F401 - re-exported: views is every format's view
 from .hf import HFError, HFReader
 from .torch_dist import DistCkptError, read_side_car
 from .torch_dist_reader import TorchDistReader
+from .view_base import FormatError, box_or_full, check_weight_dtypes, mtp_hint
 from .vllm_format import VLLM_META, vllm_shard_files
-
-
-class FormatError(InputError):
-    pass
-
-
-def _full(shape, box):
-    return box if box is not None else full_box(shape)
-
 
 # candidates for a merged dtype, narrowest first: the first one that holds every part exactly is taken
 _FLOATS = ("float8_e4m3fn", "float8_e5m2", "float16", "bfloat16", "float32", "float64")
@@ -92,27 +84,6 @@ def widest(dtypes) -> torch.dtype | None:
                       f"into one: no dtype holds them all exactly (a mix of floats and integers?)")
 
 
-def check_weight_dtypes(path: str, cfg: ModelConfig, dtypes):
-    """``dtypes``: (tensor name, stored dtype) pairs of a source's weights; a dtype the model family does not
-    store weights in (converters/<family>.py ``WEIGHT_DTYPES``) is refused in one line naming the tensor."""
-    allowed = converters.get(cfg.model_type).WEIGHT_DTYPES
-    for name, dt in dtypes:
-        got = dtype_name(dt)
-        if got not in allowed:
-            said = cfg.raw.get("torch_dtype") if isinstance(cfg.raw, dict) else None
-            raise FormatError(f"{path}: {name} is stored as {got}, not a dtype {cfg.model_type} weights are stored "
-                              f"in ({', '.join(allowed)})" + (f"; its config says {said}" if said else "")
-                              + ": refused rather than converted as it is")
-
-
-def _mtp_hint(cfg: ModelConfig, missing: list) -> str:
-    """What to say when what is missing is the MTP layers the config declares."""
-    if cfg.mtp_layers and missing and dropped(cfg.without_mtp())(missing[0]):
-        return (f" (the config declares {cfg.mtp_layers} MTP layer(s) this checkpoint lacks: pass --no-mtp to "
-                f"leave them out)")
-    return ""
-
-
 def derived_buffers(cfg: ModelConfig):
     """name -> True for a tensor transformers' own classes ignore on load (the family's ``DERIVED_BUFFERS``,
     converters/common.py: e.g. ``rotary_emb.inv_freq``): a source may hold them; they are not weights."""
@@ -144,7 +115,7 @@ class HFView:
         try:
             self.dtype_name = self.reader.validate(self.shapes, ignore=lambda n: mtp(n) or derived(n))
         except HFError as e:
-            raise HFError(str(e) + _mtp_hint(self.cfg, [n for n in self.shapes if n not in self.reader.meta])) from None
+            raise HFError(str(e) + mtp_hint(self.cfg, [n for n in self.shapes if n not in self.reader.meta])) from None
         check_weight_dtypes(path, self.cfg, ((n, self.reader.dtype_name(n)) for n in self.shapes))
 
     @property
@@ -204,7 +175,7 @@ class McoreView:
         problems = []
         for key, ts in self.layout.tensors.items():
             if key not in self.ckpt.tensors:
-                problems.append(f"missing key {key}" + _mtp_hint(cfg, [key[len(self.ckpt.prefix):]]))
+                problems.append(f"missing key {key}" + mtp_hint(cfg, [key[len(self.ckpt.prefix):]]))
                 continue
             got = self.ckpt.shape(key)
             row = self.layout._rows[key]
@@ -251,7 +222,7 @@ class McoreView:
 
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         shp = self.shapes[name]
-        box = _full(shp, box)
+        box = box_or_full(shp, box)
         out = None
         for seg in self.hf_index[name]:
             sub = box_intersect(seg.hf_box, box)
@@ -460,7 +431,7 @@ class VllmView:
     def read(self, name: str, box: Box | None = None, dtype=None) -> torch.Tensor:
         """First copy of each region (replicated regions are compared rank by rank in verify)."""
         shp = self.shapes[name]
-        box = _full(shp, box)
+        box = box_or_full(shp, box)
         out, covered = None, []
         for r, seg in self.hf_index[name]:
             sub = box_intersect(seg.hf_box, box)
@@ -497,7 +468,10 @@ class VllmView:
 
 
 def open_view(path: str, cfg: ModelConfig | None = None, prefix: str | None = None, spec: str | None = None):
-    """Detect the format of ``path`` (HF safetensors dir, torch_dist dir, vLLM shard dir) and open it."""
+    """Detect the format of ``path`` (HF safetensors dir, torch_dist dir, vLLM shard dir, verl FSDP dir) and open
+    it."""
+    if is_fsdp(path):
+        return FsdpView(path, cfg)
     if os.path.isfile(os.path.join(path, VLLM_META)):
         return VllmView(path, cfg)
     if os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata")):
@@ -509,4 +483,4 @@ def open_view(path: str, cfg: ModelConfig | None = None, prefix: str | None = No
     raise FormatError(f"{path}: no such directory")
 
 
-ERRORS = (FormatError, HFError, DistCkptError, LayoutError)
+ERRORS = (FormatError, HFError, DistCkptError, LayoutError, FsdpError)
