@@ -113,6 +113,11 @@ def optimizer_on_cpu() -> None:
     * optimizer/distrib_optimizer.py ``_copy_main_params_to_model_params`` calls fp8_utils.py
       ``quantize_param_shard`` on every step, whose implementation without Transformer Engine raises even for
       no FP8 parameter: with none it is skipped (what the TE implementation does with an empty list).
+    * distrib_optimizer.py ``load_parameter_state_from_fs_model_space`` leaves 'step' out of the tensors it hands
+      to ``_set_main_param_and_optimizer_states`` ("handled separately": ``load_state_dict`` sets it from the
+      param groups), which then copies every key of the inner optimizer's state, 'step' included: torch's Adam
+      (no Apex / Transformer Engine) keeps 'step' there, so every load of that sharding type raises
+      KeyError 'step' on CPU. The step already set is handed back to it (copied onto itself).
     * ``np.product`` (removed in numpy 2) -> ``np.prod``: dist_checkpointing/validation.py
       ``_validate_sharding_for_key_flattened`` calls it when flattened optimizer tensors are saved or loaded.
     """
@@ -142,6 +147,19 @@ def optimizer_on_cpu() -> None:
 
     quantize = dopt.quantize_param_shard
     dopt.quantize_param_shard = lambda model_params, *a, **k: quantize(model_params, *a, **k) if model_params else None
+    cls = dopt.DistributedOptimizer
+    set_states = cls._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer \
+                and not self.ddp_config.use_custom_fsdp:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"].clone()}
+        return set_states(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 class _CpuTorch:

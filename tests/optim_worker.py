@@ -10,8 +10,11 @@ python tests/optim_worker.py '<json>' with keys:
          (verl/utils/checkpoint/megatron_checkpoint_manager.py ``generate_state_dict``: model, optimizer =
          ``optimizer.sharded_state_dict(model)`` with megatron's default sharding, lr_scheduler, rng_state as
          verl's ``get_rng_state`` builds it) through megatron's own ``dist_checkpointing.save``
-  dump: every optimizer state piece of this rank (key, state, global offset, local shape, flat range, values)
-        after the load (``loaded.pt``) and after the steps (``stepped.pt``), and each step's loss
+  own_load: first try megatron's own load of this checkpoint (its load-time reshard; verl's strictness
+        ASSUME_OK_UNEXPECTED): the outcome in the result, the optimizer pieces in ``own_{rank}.pt``
+  after: steps after the save (A's continuation)
+  dump: a dir for every optimizer state piece of this rank (key, global shape, global offset, local shape, flat
+        range, values) after the load (``loaded_{rank}.pt``) and at the end (``stepped_{rank}.pt``)
   out: result dir (rank_{r}.json per rank)
 """
 import json
@@ -33,7 +36,8 @@ def batch(cfg, step, i):
 
 
 def pieces(opt_sd):
-    """(key, global offset, local shape, flat start, flat stop, values) of every optimizer ShardedTensor."""
+    """(key, global shape, global offset, local shape, flat start, flat stop, values) of every optimizer
+    ShardedTensor."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
 
@@ -43,7 +47,7 @@ def pieces(opt_sd):
     out = []
     for v in nested_values(sd):
         if isinstance(v, ShardedTensor) and v.flattened_range is not None:
-            out.append((v.key, tuple(v.global_offset), tuple(v.local_shape), v.flattened_range.start,
+            out.append((v.key, tuple(v.global_shape), tuple(v.global_offset), tuple(v.local_shape), v.flattened_range.start,
                         v.flattened_range.stop, v.data.detach().clone().float()))
     return out
 
@@ -113,23 +117,44 @@ def run(rank, world, a):
                                             replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
         return sd
 
+    if a.get("dump"):
+        os.makedirs(a["dump"], exist_ok=True)
     res = {"rank": rank, "dp": ps.get_data_parallel_world_size(), "losses": []}
     step0 = 0
-    if a.get("load"):
-        sd = state_dict(False)
-        loaded = dist_checkpointing.load(sd, a["load"], strict=StrictHandling.RAISE_ALL)
+
+    def load(path, strict):
+        # megatron-core 0.12.1 without Apex / Transformer Engine (HAVE_APEX_OR_TE False: torch's Adam) reads 'step'
+        # off the inner optimizer's state in DistributedOptimizer.state_dict(), which sharded_state_dict(
+        # is_loading=True) calls before it allocates that state: a fresh optimizer fails its assert (GPU jobs have
+        # TE). So the state is allocated first, as load_state_dict does it (dummy tensors, step 0), then loaded.
+        for o in opt.chained_optimizers:
+            if not o.optimizer.state:
+                o.load_state_dict({"optimizer": {"param_groups": [
+                    {**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in o.optimizer.param_groups]}})
+        loaded = dist_checkpointing.load(state_dict(False), path, strict=strict)
         model.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
         sched.load_state_dict(loaded["lr_scheduler"])
+
+    if a.get("own_load"):  # megatron's own load-time reshard of another topology's checkpoint (verl's strictness)
+        try:
+            load(a["own_load"], StrictHandling.ASSUME_OK_UNEXPECTED)
+            res["own"] = "loaded"
+            torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"own_{rank}.pt"))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            res["own"] = f"{type(e).__name__}: {e}"[:1500]
+    if a.get("load"):
+        load(a["load"], StrictHandling.RAISE_ALL)
         step0 = sched.num_steps
         res["step0"] = step0
     if a.get("dump") and a.get("load"):
-        torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["out"], f"loaded_{rank}.pt"))
+        torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"loaded_{rank}.pt"))
 
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = GLOBAL_BATCH // dp
     fb = get_forward_backward_func()
-    for s in range(step0, step0 + a.get("steps", 0)):
+
+    def train(s):
         mbs = iter([batch(cfg, s, dpr * per + i) for i in range(per)])
 
         def forward_step(it, m):
@@ -151,16 +176,28 @@ def run(rank, world, a):
         ok, _, _ = opt.step()
         assert ok
         sched.step(increment=1)
-        if ps.is_pipeline_last_stage():
+        loss = torch.zeros(1)
+        if ps.is_pipeline_last_stage():  # the mean over the global batch, from the last stage to every rank
             loss = torch.stack([x["loss"] for x in losses]).mean().reshape(1)
             torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-            res["losses"].append((loss / dp).item())
-    if a.get("dump"):
-        torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["out"], f"stepped_{rank}.pt"))
+            loss /= dp
+        torch.distributed.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+        res["losses"].append(loss.item())
+
+    for s in range(step0, step0 + a.get("steps", 0)):
+        train(s)
     if a.get("save"):
         os.makedirs(a["save"], exist_ok=True)
         torch.distributed.barrier()
         dist_checkpointing.save(state_dict(True), a["save"])
+    if a.get("save") and a.get("dump"):  # the state saved (A's; B's loaded pieces are compared with it)
+        torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"saved_{rank}.pt"))
+    if a.get("after"):  # more steps after the save (A's own continuation: the saved state is the one in memory)
+        for s in range(sched.num_steps, sched.num_steps + a["after"]):
+            train(s)
+        res["lr"] = opt.param_groups[0]["lr"]
+    if a.get("dump"):
+        torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"stepped_{rank}.pt"))
     with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.barrier()

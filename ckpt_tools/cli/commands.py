@@ -225,15 +225,23 @@ def cmd_reshard_mcore(args) -> int:
                             spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
                             progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
-                            dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
+                            dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
+                            keep_optimizer=args.keep_optimizer)
+    what = (f"model weights + optimizer state ({', '.join(r['optimizer_states'])} of {r['optimizer_params']} "
+            f"parameters, {fmt_bytes(r['optimizer_bytes'])}) + the source's common.pt"
+            if args.keep_optimizer else f"model weights only: {r['dropped']} other entries dropped")
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
-          f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
-          f"{r['source_prefix']!r} removed)")
+          f"{r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed)")
+    if args.keep_optimizer and r.get("rng_dropped"):
+        print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology): resume with --no-load-rng")
     return 0
 
 
 def cmd_reshard_vllm(args) -> int:
+    if args.keep_optimizer:
+        print("ckpt-tools reshard: error: --keep-optimizer applies to --to mcore only", file=sys.stderr)
+        return 2
     vllm_set = [f for f, v in (("--pp", args.pp != 1), ("--etp", args.etp), ("--num-layers-in-first-pipeline-stage", args.first),
                                ("--num-layers-in-last-pipeline-stage", args.last), ("--layer-list", args.layer_list),
                                ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec)) if v]

@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
     _add_megatron_topology(p, "--to mcore: Megatron target topology and spec (as hf2mcore)", tp_ep=False,
                            spec_default=None, vocab_note="; source padding is stripped")
+    p.add_argument("--keep-optimizer", action="store_true",
+                   help="--to mcore from a training checkpoint (verl's or megatron's, the distributed optimizer's "
+                        "default fully_sharded_model_space state): also write the optimizer state (fp32 main params, "
+                        "Adam moments) laid out for the target topology, which megatron-core loads at any DP size, "
+                        "and the source's common.pt (param groups, step, lr scheduler). The RNG states are dropped "
+                        "(they belong to the saving topology: resume with --no-load-rng). dp_zero_gather_scatter / "
+                        "fully_sharded_bucket_space state is refused")
     p.add_argument("--hf-config", default=None, help="HF config dir for a Megatron --from (default: verl's huggingface/ "
                                                       "beside it, or the HF source a ckpt-tools output records)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")

@@ -14,6 +14,7 @@ from ..copy.plan import Op
 from ..core.lazy import torch, torch_dtype
 from ..formats.hf import HFDestination
 from ..formats.torch_dist import DistCkptError, TorchDistDestination
+from ..formats.training import OptimizerSource, TrainingDestination
 from ..formats.views import FormatError, HFView, McoreView, open_view, widest
 from ..formats.vllm_format import VllmDestination
 from ..layout import (
@@ -50,8 +51,10 @@ def is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts):
-    """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened."""
+def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
+              keep_optimizer=False):
+    """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened;
+    ``keep_optimizer``: the source's optimizer state and common.pt too (:class:`TrainingDestination`)."""
     par = megatron_parallel(cfg, **topo)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
@@ -66,6 +69,9 @@ def _to_mcore(out, src, label, inputs, open_src, cfg, topo, spec, dtype, vocab_s
         if label == "reshard":
             info.update(dropped=len(_dropped(view)))
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
+        if keep_optimizer:
+            side.update(optimizer="fully_sharded_model_space")
+            return TrainingDestination(layout, view, dt, OptimizerSource(view), side_car=side)
         return TorchDistDestination(layout, view, dt, side_car=side)
 
     view, _, res = convert(Job(out, "mcore", label, inputs, src, open_src, destination), opts, FormatError)
@@ -117,12 +123,15 @@ def _dt_name(dt, keys) -> str:
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                 layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                 vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None, divide="files", no_mtp=False) -> dict:
+                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False) -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
     and other entries dropped, no key prefix), the target spec's _extra_state objects, each target rank's
-    chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore."""
+    chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore.
+    ``keep_optimizer``: also the distributed optimizer's state (fp32 main params, Adam moments) laid out for the
+    target, and the source's common.pt (param groups, step, lr scheduler); the RNG states are left out
+    (:mod:`ckpt_tools.formats.training`)."""
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
@@ -135,7 +144,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     view, res = _to_mcore(out, src, "reshard", inputs,
                           lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
-                          vocab_size_divisible_by, opts)
+                          vocab_size_divisible_by, opts, keep_optimizer)
     res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
     return res
 
