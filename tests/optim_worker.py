@@ -136,13 +136,6 @@ def run(rank, world, a):
         opt.load_state_dict(loaded["optimizer"])
         sched.load_state_dict(loaded["lr_scheduler"])
 
-    if a.get("own_load"):  # megatron's own load-time reshard of another topology's checkpoint (verl's strictness)
-        try:
-            load(a["own_load"], StrictHandling.ASSUME_OK_UNEXPECTED)
-            res["own"] = "loaded"
-            torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"own_{rank}.pt"))
-        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-            res["own"] = f"{type(e).__name__}: {e}"[:1500]
     if a.get("load"):
         load(a["load"], StrictHandling.RAISE_ALL)
         step0 = sched.num_steps
@@ -164,8 +157,8 @@ def run(rank, world, a):
             out = m(ids, pos, mask, labels=labels)
 
             def loss_func(o):
-                loss = o.float().mean()
-                return loss, {"loss": loss.detach()}
+                loss = o.float().mean()  # (the schedule divides the returned loss in place: report a copy)
+                return loss, {"loss": loss.detach().clone()}
 
             return out, partial(loss_func)
 
@@ -198,6 +191,14 @@ def run(rank, world, a):
         res["lr"] = opt.param_groups[0]["lr"]
     if a.get("dump"):
         torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"stepped_{rank}.pt"))
+    if a.get("own_load"):  # then megatron's own load-time reshard of another topology's checkpoint (verl's
+        # strictness), last: a second load would move the lr scheduler again (load_state_dict steps it)
+        try:
+            load(a["own_load"], StrictHandling.ASSUME_OK_UNEXPECTED)
+            res["own"] = "loaded"
+            torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"own_{rank}.pt"))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            res["own"] = f"{type(e).__name__}: {e}"[:1500]
     with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.barrier()

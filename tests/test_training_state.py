@@ -51,8 +51,43 @@ def test_rows_of_the_reformulated_shape():
     assert local_shape((6, 256, 128), (6, 2, 1, 128 * 128)) == (1, 128, 128)
 
 
+@pytest.mark.parametrize("tensors,objects,kind", [
+    ({"chained_1.optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"}, set(),
+     "fully_sharded_model_space"),
+    (set(), {"optimizer.distributed.dp_group_idx_0.param_state/shard_0_1"}, "dp_zero_gather_scatter"),
+    ({"chained_0.optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.bfloat16)"
+      ".bucket_idx_0.exp_avg_sq"}, set(), "fully_sharded_bucket_space"),
+])
+def test_per_dp_group_optimizer_state_is_refused_in_one_line_naming_its_type(tensors, objects, kind):
+    from types import SimpleNamespace
+
+    from ckpt_tools.formats.training import OptimizerError, OptimizerSource, sharding_type
+
+    reader = SimpleNamespace(tensors=dict.fromkeys(tensors), objects=set(objects), path="CK")
+    assert sharding_type(reader) == kind
+    if kind != "fully_sharded_model_space":
+        with pytest.raises(OptimizerError, match=f"sharding type {kind}") as e:
+            OptimizerSource(SimpleNamespace(ckpt=reader, path="CK"))
+        assert "\n" not in str(e.value)
+
+
+def test_keep_optimizer_needs_optimizer_state_and_the_mcore_target(tiny_hf, tmp_path):
+    from ckpt_tools import convert
+
+    src = str(tmp_path / "model_only")
+    convert.hf2mcore(tiny_hf, src, progress=False)
+    base = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--from", src, "--hf-config", tiny_hf, "--keep-optimizer",
+            "--no-progress"]
+    p = subprocess.run(base + ["--to", "mcore", "--out", str(tmp_path / "o1")], capture_output=True, text=True)
+    assert p.returncode == 2 and "holds no optimizer state" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "o1")
+    p = subprocess.run(base + ["--to", "vllm", "--tp", "1", "--out", str(tmp_path / "o2")], capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and "--keep-optimizer applies to --to mcore only" in p.stderr
+
+
 # ------------------------------------------------------------------------------------------- the megatron judge
-def gather(out: str, prefix: str) -> dict:
+def gather(out: str, prefix: str, complete: bool = True) -> dict:
     """(state, model key) -> global fp32 tensor assembled from every rank's optimizer pieces (replicas must agree),
     and where no piece fell, NaN."""
     g, filled = {}, {}
@@ -71,11 +106,11 @@ def gather(out: str, prefix: str) -> dict:
             chunk, mask = g[k][sl].clone().reshape(-1), filled[k][sl].clone().reshape(-1)
             old = chunk[fs:fe]
             seen = mask[fs:fe]
-            assert torch.equal(old[seen], vals[seen]), f"replicas of {key} differ"
+            assert not complete or torch.equal(old[seen], vals[seen]), f"replicas of {key} differ"
             chunk[fs:fe], mask[fs:fe] = vals, True
             g[k][sl], filled[k][sl] = chunk.view(full), mask.view(full)
     for k, m in filled.items():
-        assert bool(m.all()), f"{k}: {int((~m).sum())} elements held by no rank"
+        assert not complete or bool(m.all()), f"{k}: {int((~m).sum())} elements held by no rank"
     return g
 
 
@@ -143,6 +178,16 @@ def test_megatron_loads_every_optimizer_element_bit_for_bit(judged):
     rb = judged["b"]
     assert all(r.get("step0") == 2 for r in rb.values())  # the scheduler's state came over (common.pt)
     print(judged["name"], judged["reshard"].strip())
+    own = {r.get("own") for r in rb.values()} - {None}
+    if own:  # megatron's own load-time reshard of A's checkpoint at B (recorded for the closing note)
+        if own == {"loaded"}:
+            got = gather(judged["dump_b"], "own", complete=False)
+            bad = {f"{s}.{k}": int((got[(s, k)] != saved[(s, k)]).sum()) if (s, k) in got else "absent"
+                   for s, k in saved if (s, k) not in got or not torch.equal(got[(s, k)], saved[(s, k)])}
+            print(f"megatron's own load of A at B: loaded; {len(bad)} of {len(saved)} states differ from A's: "
+                  f"{dict(list(bad.items())[:6])}")
+        else:
+            print(f"megatron's own load of A at B: {sorted(own)[0][:600]}")
 
 
 def test_the_next_step_agrees_within_the_derived_bounds(judged):

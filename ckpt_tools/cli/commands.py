@@ -16,6 +16,7 @@ from ..core.lazy import ITEMSIZE, torch_dtype
 from ..dist import ranks as distributed
 from ..formats.fp8 import BlockScaledReader, format_fp8
 from ..formats.torch_dist import SIDE_CAR
+from ..formats.training import training_summary
 from ..formats.views import ERRORS, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
@@ -370,6 +371,17 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def format_training(t: dict) -> str:
+    """``fully_sharded_model_space: exp_avg, exp_avg_sq, fp32_param of 10 parameters (7.2 MiB), step 2, ...``"""
+    parts = [str(t["sharding_type"])]
+    if t.get("states"):
+        parts.append(f"{', '.join(t['states'])} of {t['parameters']} parameters ({fmt_bytes(t['bytes'])})"
+                     + (" in a chained optimizer (dense / expert)" if t.get("chained") else ""))
+    parts += [f"{k.replace('_', ' ')} {t[k]}" for k in ("step", "lr", "scheduler_steps") if t.get(k) is not None]
+    parts.append(f"{t['rng_objects']} rng objects")
+    return "; ".join(parts)
+
+
 def cmd_inspect(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
     cfg = load_config(hf_config) if hf_config else None
@@ -381,6 +393,9 @@ def cmd_inspect(args) -> int:
         info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))
         info["loaders"] = v.loaders()
+        training = training_summary(v.ckpt)
+        if training:
+            info["training"] = training
     chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
     info["manifest"] = chk["manifest"]
     info["integrity"] = chk["problems"] or "ok (structure and sizes; data: ckpt-tools verify)"
@@ -388,7 +403,7 @@ def cmd_inspect(args) -> int:
         info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
     if isinstance(getattr(v, "reader", None), BlockScaledReader):  # FP8: which tensors, their blocks
         info["fp8"] = v.reader.summary()
-    show = {"loaders": format_loaders, "fp8": format_fp8}
+    show = {"loaders": format_loaders, "fp8": format_fp8, "training": format_training}
     for k, val in info.items():
         print(f"{k:>12}: {show[k](val) if k in show else val}")
     _dump(info, args.json)

@@ -240,3 +240,35 @@ class TrainingDestination(TorchDistDestination):
         out.update(optimizer_states=list(self.opt.states), optimizer_params=len(self.params),
                    optimizer_bytes=self.opt_bytes, rng_dropped=len(self.opt.rng_objects()))
         return out
+
+
+def training_summary(reader) -> dict | None:
+    """What a torch_dist checkpoint holds beyond the model (``inspect``): the optimizer's sharding type, its
+    states, parameters and bytes, the step and lr of its param groups (common.pt, read with torch's weights-only
+    unpickler; "unread" when it holds other objects, e.g. Megatron-LM's args), the rng objects. None: none."""
+    kind = sharding_type(reader)
+    rng = sorted(o for o in reader.objects if o.split("/")[0] == RNG_KEY)
+    if kind is None and not rng:
+        return None
+    out = {"sharding_type": kind, "rng_objects": len(rng)}
+    if kind == "fully_sharded_model_space":
+        keys = [(k, parse_key(k)) for k in reader.tensors if parse_key(k)]
+        out.update(states=sorted({p[1] for _, p in keys}), parameters=len({p[2] for _, p in keys}),
+                   chained=sorted({p[0] for _, p in keys if p[0] is not None}),
+                   bytes=sum(box_numel(tuple((0, n) for n in reader.shape(k))) * 4 for k, _ in keys))
+    try:
+        common = torch.load(os.path.join(reader.path, "common.pt"), weights_only=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 - anything but plain data (or no file): not shown
+        out["step"] = "unread"
+        return out
+    opt = common.get("optimizer") if isinstance(common, dict) else None
+    groups = []
+    for o in (opt.values() if isinstance(opt, dict) and all(isinstance(k, int) for k in opt) else [opt]):
+        if isinstance(o, dict):
+            groups += (o.get("optimizer") or {}).get("param_groups") or []
+    steps = sorted({g.get("step") for g in groups if isinstance(g, dict) and "step" in g})
+    lrs = sorted({g.get("lr") for g in groups if isinstance(g, dict) and "lr" in g})
+    out.update(step=steps[0] if len(steps) == 1 else steps or None, lr=lrs[0] if len(lrs) == 1 else lrs or None)
+    if isinstance(common, dict) and isinstance(common.get("lr_scheduler"), dict):
+        out["scheduler_steps"] = common["lr_scheduler"].get("num_steps")
+    return out

@@ -37,6 +37,14 @@ def parse_key(key: str):
     return (int(m.group(2)) if m.group(1) else None), m.group(3), m.group(4)
 
 
+_ANY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Any optimizer entry, a chained optimizer's (``chained_{i}.optimizer.``) included."""
+    return _ANY.match(key) is not None
+
+
 def state_key(state: str, model_key: str, chain: int | None) -> str:
     return ("" if chain is None else f"chained_{chain}.") + f"optimizer.state.{state}.{model_key}"
 
