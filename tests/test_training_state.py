@@ -163,7 +163,8 @@ def judged(request, tmp_path_factory):
     extra = dict(own_load=a_dir) if request.param == "moe" else {}
     rb, _ = run_ranks("optim_worker.py", d, timeout=900, hf=hf, world=4, load=b_dir, after=1, dump=dump_b, **b,
                       **extra)
-    return dict(a=ra, b=rb, dump_a=dump_a, dump_b=dump_b, reshard=p.stdout, name=request.param)
+    return dict(a=ra, b=rb, dump_a=dump_a, dump_b=dump_b, reshard=p.stdout, name=request.param, a_dir=a_dir, hf=hf,
+                case=case, d=d)
 
 
 def test_megatron_loads_every_optimizer_element_bit_for_bit(judged):
@@ -205,3 +206,44 @@ def test_the_next_step_agrees_within_the_derived_bounds(judged):
           f"{LOSS_BOUND:.2e}); max |master A - B| {worst:.2e} (bound {bound:.2e})")
     assert abs(loss_a - loss_b) <= LOSS_BOUND
     assert worst <= bound
+
+
+def _rng_bytes(d):
+    from ckpt_tools.formats.torch_dist_reader import TorchDistReader
+
+    r, out = TorchDistReader(d), {}
+    for mi, si in r.storage.items():
+        if mi.fqn.startswith("rng_state/"):
+            with open(os.path.join(d, si.relative_path), "rb") as f:
+                f.seek(si.offset)
+                out[mi.fqn] = f.read(si.length)
+    return out
+
+
+def test_rng_states_follow_only_an_unchanged_pp_tp_grid(judged):
+    a = judged["case"]["a"]
+    assert "rng states dropped (2 objects" in judged["reshard"]  # B changed PP
+    same = str(judged["d"] / "same_grid")
+    cmd = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--to", "mcore", "--from", judged["a_dir"], "--out", same,
+           "--hf-config", judged["hf"], "--tp", str(a["tp"]), "--pp", str(a["pp"]), "--num-layers-in-first-pipeline-stage",
+           str(a["first"]), "--ep", str(2 * a.get("ep", 1) if a.get("ep") else 1), "--spec", "local", "--keep-optimizer",
+           "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "rng states dropped" not in p.stdout
+    src = _rng_bytes(judged["a_dir"])
+    assert len(src) == a["pp"] * a["tp"] and _rng_bytes(same) == src
+    assert _rng_bytes(str(judged["d"] / "B")) == {}
+
+
+def test_plan_prices_the_optimizer_state():
+    from ckpt_tools.convert.estimate import plan_megatron
+    from ckpt_tools.layout import MegatronParallel, load_config
+
+    cfg = load_config("qwen3-235b-a22b")
+    par = MegatronParallel.build(94, pp=8, tp=4, ep=4, etp=1, first=11, last=11)
+    w = plan_megatron(cfg, par, dtype_bytes=2)
+    t = plan_megatron(cfg, par, dtype_bytes=2, optimizer=True)
+    # 3 fp32 states of every parameter (Qwen3's router has no expert-bias buffer): 14 bytes a parameter in all
+    assert t["optimizer_bytes"] == 12 * w["params"] and t["bytes"] == 14 * w["params"] == w["bytes"] * 7
+    assert sum(r["bytes_written"] for r in t["ranks"]) == t["bytes"]

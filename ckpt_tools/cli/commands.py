@@ -235,7 +235,8 @@ def cmd_reshard_mcore(args) -> int:
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
           f"{r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed)")
     if args.keep_optimizer and r.get("rng_dropped"):
-        print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology): resume with --no-load-rng")
+        print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology's PP x TP grid): resume with "
+              f"--no-load-rng")
     return 0
 
 
@@ -337,10 +338,12 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config)
     par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
     nbytes = ITEMSIZE[DTYPES[args.dtype]]
-    p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div)
+    p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div, optimizer=args.keep_optimizer)
     print(f"{cfg.model_type}: {cfg.layers} layers, {cfg.experts} experts, hidden {cfg.hidden}; {p['topology']}")
-    print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'])} ({args.dtype}); {p['chunks']} chunks, "
-          f"{p['objects']} _extra_state objects, {p['files']} files")
+    opt = (f" + optimizer state {fmt_bytes(p['optimizer_bytes'])} (fp32_param, exp_avg, exp_avg_sq: reshard --to "
+           f"mcore --keep-optimizer)" if args.keep_optimizer else "")
+    print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'] - p['optimizer_bytes'])} ({args.dtype})"
+          f"{opt}; {p['chunks']} chunks, {p['objects']} _extra_state objects, {p['files']} files")
     print(f"{'stage':>5} {'layers':>6} {'ranks':>11} {'bytes/rank (min..max)':>28}")
     for s, n in enumerate(par.layers_per_stage):
         rs = [x for x in p["ranks"] if x["stage"] == s]

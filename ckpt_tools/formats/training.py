@@ -155,6 +155,26 @@ class OptimizerSource:
     def rng_objects(self) -> list:
         return sorted(o for o in self.reader.objects if o.split("/")[0] == RNG_KEY)
 
+    def rng_grid(self) -> tuple | None:
+        """The (PP, TP) grid of the source's rng objects (ShardedObject ``rng_state`` of global shape (PP, TP):
+        DCP key ``rng_state/shard_{pp}.{tp}_{PP}.{TP}``, mapping.py ``ShardedObject.unique_key``); None: none, or
+        not that form."""
+        grids = set()
+        for o in self.rng_objects():
+            try:
+                grids.add(tuple(int(x) for x in o.rsplit("_", 1)[1].split(".")))
+            except ValueError:
+                return None
+        return grids.pop() if len(grids) == 1 else None
+
+    def rng_records(self) -> list:
+        """(DCP key, file, byte offset, length) of every rng object."""
+        out = [(mi.fqn, si.relative_path, si.offset, si.length) for mi, si in self.reader.storage.items()
+               if mi.fqn in set(self.rng_objects())]
+        if len(out) != len(self.rng_objects()):
+            raise OptimizerError(f"{self.reader.path}: rng objects listed without stored bytes")
+        return sorted(out)
+
 
 class TrainingDestination(TorchDistDestination):
     """:class:`TorchDistDestination` plus the optimizer state of ``opt`` (an :class:`OptimizerSource`) for every
@@ -200,6 +220,20 @@ class TrainingDestination(TorchDistDestination):
                 self.opt_meta.setdefault(k, (reform, shape, []))[2].append(row)
                 self.opt_recs.append((c, state, fn, off + len(head), head, tail))
                 nd[k] = n
+        # the rng states belong to the saving topology's (PP, TP) grid: kept byte for byte when the target has
+        # the same grid (verl load_rng_states indexes the object by its own PP / TP rank), else dropped
+        self.rng = {}
+        if opt.rng_objects() and opt.rng_grid() == (par.pp, par.tp):
+            fn = min(pos)
+            for key, rel, off, n in opt.rng_records():
+                with open(os.path.join(opt.reader.path, rel), "rb") as f:
+                    f.seek(off)
+                    data = f.read(n)
+                if len(data) != n:
+                    raise OptimizerError(f"{opt.reader.path}/{rel}: truncated (rng object {key} at byte {off})")
+                self.blobs[fn].append((pos[fn], data))
+                self.rng[key] = (fn, pos[fn], n)
+                pos[fn] += n
         self.files = pos
         self.opt_bytes = sum(4 * box_numel(c.box) for c, *_ in self.opt_recs)
         self.total += self.opt_bytes
@@ -233,12 +267,16 @@ class TrainingDestination(TorchDistDestination):
             md.mcore_data[k] = {ORIG_SHAPE: tuple(shape)}
         for (k, row), v in self.opt_storage.items():
             sd[m.MetadataIndex(k, torch.Size(row))] = m._StorageInfo(*v)
+        for k, v in self.rng.items():
+            sdm[k] = m.BytesStorageMetadata()
+            sd[m.MetadataIndex(k, None)] = m._StorageInfo(*v)
         return md
 
     def summary(self) -> dict:
         out = super().summary()
         out.update(optimizer_states=list(self.opt.states), optimizer_params=len(self.params),
-                   optimizer_bytes=self.opt_bytes, rng_dropped=len(self.opt.rng_objects()))
+                   optimizer_bytes=self.opt_bytes, rng_kept=len(self.rng),
+                   rng_dropped=len(self.opt.rng_objects()) - len(self.rng))
         return out
 
 
