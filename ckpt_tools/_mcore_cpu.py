@@ -93,3 +93,89 @@ def init_process(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     apply()
+
+
+def optimizer_on_cpu() -> None:
+    """What megatron-core 0.12.1's DistributedDataParallel + DistributedOptimizer need on CPU (training tests only):
+
+    * ``Tensor.type()`` without arguments names a CPU tensor as its CUDA type ('torch.BFloat16Tensor' ->
+      'torch.cuda.BFloat16Tensor'): optimizer/distrib_optimizer.py ``_build_model_and_main_param_groups`` and
+      ``_copy_model_params_to_main_params`` accept only 'torch.cuda.{Half,BFloat16,Float}Tensor'.
+    * the param / grad buffers of distributed/param_and_grad_buffer.py (``_ParamAndGradBuffer.__init__``,
+      ``device=torch.cuda.current_device()``) land on CPU through :func:`apply`'s ``current_device``;
+      DistributedDataParallel makes a CUDA stream only when communication overlaps: the tests keep
+      ``overlap_grad_reduce=False``.
+    * ``torch.tensor`` / ``torch.zeros`` with ``device='cuda'`` -> CPU inside optimizer/optimizer.py (the
+      ``found_inf`` / ``_scale_one`` buffers of ``MixedPrecisionOptimizer``), optimizer/grad_scaler.py,
+      optimizer/clip_grads.py, utils.py (``local_multi_tensor_l2_norm``) and pipeline_parallel/schedules.py
+      (``total_num_tokens``): those modules' ``torch``
+      name is a proxy that maps that one device argument.
+    * optimizer/distrib_optimizer.py ``_copy_main_params_to_model_params`` calls fp8_utils.py
+      ``quantize_param_shard`` on every step, whose implementation without Transformer Engine raises even for
+      no FP8 parameter: with none it is skipped (what the TE implementation does with an empty list).
+    * distrib_optimizer.py ``load_parameter_state_from_fs_model_space`` leaves 'step' out of the tensors it hands
+      to ``_set_main_param_and_optimizer_states`` ("handled separately": ``load_state_dict`` sets it from the
+      param groups), which then copies every key of the inner optimizer's state, 'step' included: torch's Adam
+      (no Apex / Transformer Engine) keeps 'step' there, so every load of that sharding type raises
+      KeyError 'step' on CPU. The step already set is handed back to it (copied onto itself).
+    * ``np.product`` (removed in numpy 2) -> ``np.prod``: dist_checkpointing/validation.py
+      ``_validate_sharding_for_key_flattened`` calls it when flattened optimizer tensors are saved or loaded.
+    """
+    apply()
+    import numpy as np
+
+    if not hasattr(np, "product"):
+        np.product = np.prod
+    if getattr(torch.Tensor.type, "_ckpt_tools", False):
+        return
+    orig = torch.Tensor.type
+
+    def type_(self, *a, **k):
+        out = orig(self, *a, **k)
+        if not a and not k and isinstance(out, str) and out.startswith("torch.") and not self.is_cuda:
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+    type_._ckpt_tools = True
+    torch.Tensor.type = type_
+    import importlib
+
+    for name in ("optimizer.optimizer", "optimizer.grad_scaler", "optimizer.clip_grads", "pipeline_parallel.schedules",
+                 "utils"):
+        importlib.import_module("megatron.core." + name).torch = _CpuTorch()
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    quantize = dopt.quantize_param_shard
+    dopt.quantize_param_shard = lambda model_params, *a, **k: quantize(model_params, *a, **k) if model_params else None
+    cls = dopt.DistributedOptimizer
+    set_states = cls._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer \
+                and not self.ddp_config.use_custom_fsdp:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"].clone()}
+        return set_states(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+class _CpuTorch:
+    """``torch`` for a megatron module that makes small tensors on ``device='cuda'``: that device is the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _dev(k):
+        if str(k.get("device", "")).startswith("cuda"):
+            k["device"] = "cpu"
+        return k
+
+    def tensor(self, *a, **k):
+        return torch.tensor(*a, **self._dev(k))
+
+    def zeros(self, *a, **k):
+        return torch.zeros(*a, **self._dev(k))

@@ -16,6 +16,7 @@ from ..core.lazy import ITEMSIZE, torch_dtype
 from ..formats.fp8 import BlockScaledReader, format_fp8
 from ..formats.fsdp import hf_config_dir
 from ..formats.torch_dist import SIDE_CAR, recorded_without_mtp
+from ..formats.training import training_summary
 from ..formats.views import ERRORS, FsdpView, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
@@ -242,15 +243,24 @@ def cmd_reshard_mcore(args) -> int:
                             spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
                             progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
-                            dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
+                            dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
+                            keep_optimizer=args.keep_optimizer)
+    what = (f"model weights + optimizer state ({', '.join(r['optimizer_states'])} of {r['optimizer_params']} "
+            f"parameters, {fmt_bytes(r['optimizer_bytes'])}) + the source's common.pt"
+            if args.keep_optimizer else f"model weights only: {r['dropped']} other entries dropped")
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
-          f"{r['seconds']:.1f}s (model weights only: {r['dropped']} other entries dropped, source prefix "
-          f"{r['source_prefix']!r} removed)")
+          f"{r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed)")
+    if args.keep_optimizer and r.get("rng_dropped"):
+        print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology's PP x TP grid): resume with "
+              f"--no-load-rng")
     return 0
 
 
 def cmd_reshard_vllm(args) -> int:
+    if args.keep_optimizer:
+        print("ckpt-tools reshard: error: --keep-optimizer applies to --to mcore only", file=sys.stderr)
+        return 2
     vllm_set = [f for f, v in (("--pp", args.pp != 1), ("--etp", args.etp), ("--num-layers-in-first-pipeline-stage", args.first),
                                ("--num-layers-in-last-pipeline-stage", args.last), ("--layer-list", args.layer_list),
                                ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec)) if v]
@@ -355,10 +365,12 @@ def cmd_plan(args) -> int:
     cfg = load_config(_fsdp_config(args.config))
     par = megatron_parallel(cfg, args.pp, args.tp, args.ep, args.etp, args.first, args.last, args.layer_list)
     nbytes = ITEMSIZE[DTYPES[args.dtype]]
-    p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div)
+    p = plan_megatron(cfg, par, args.spec, nbytes, args.disk_gbps, args.vocab_div, optimizer=args.keep_optimizer)
     print(f"{cfg.model_type}: {cfg.layers} layers, {cfg.experts} experts, hidden {cfg.hidden}; {p['topology']}")
-    print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'])} ({args.dtype}); {p['chunks']} chunks, "
-          f"{p['objects']} _extra_state objects, {p['files']} files")
+    opt = (f" + optimizer state {fmt_bytes(p['optimizer_bytes'])} (fp32_param, exp_avg, exp_avg_sq: reshard --to "
+           f"mcore --keep-optimizer)" if args.keep_optimizer else "")
+    print(f"total {p['params'] / 1e9:.2f} B params = {fmt_bytes(p['bytes'] - p['optimizer_bytes'])} ({args.dtype})"
+          f"{opt}; {p['chunks']} chunks, {p['objects']} _extra_state objects, {p['files']} files")
     print(f"{'stage':>5} {'layers':>6} {'ranks':>11} {'bytes/rank (min..max)':>28}")
     for s, n in enumerate(par.layers_per_stage):
         rs = [x for x in p["ranks"] if x["stage"] == s]
@@ -394,6 +406,17 @@ def _fsdp_config(path: str) -> str:
     return (hf_config_dir(path) or path) if convert.is_fsdp(path) else path
 
 
+def format_training(t: dict) -> str:
+    """``fully_sharded_model_space: exp_avg, exp_avg_sq, fp32_param of 10 parameters (7.2 MiB), step 2, ...``"""
+    parts = [str(t["sharding_type"])]
+    if t.get("states"):
+        parts.append(f"{', '.join(t['states'])} of {t['parameters']} parameters ({fmt_bytes(t['bytes'])})"
+                     + (" in a chained optimizer (dense / expert)" if t.get("chained") else ""))
+    parts += [f"{k.replace('_', ' ')} {t[k]}" for k in ("step", "lr", "scheduler_steps") if t.get(k) is not None]
+    parts.append(f"{t['rng_objects']} rng objects")
+    return "; ".join(parts)
+
+
 def cmd_inspect(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
     cfg = load_config(hf_config, recorded_without_mtp(args.path)) if hf_config else None  # as it was written
@@ -409,6 +432,9 @@ def cmd_inspect(args) -> int:
         info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))
         info["loaders"] = v.loaders()
+        training = training_summary(v.ckpt)
+        if training:
+            info["training"] = training
     if v.kind == "fsdp":
         info["fsdp"] = v.describe()
     chk = inspect_checks(v)  # structure, coverage, manifest sizes; the data itself: verify --KIND DIR
@@ -418,7 +444,7 @@ def cmd_inspect(args) -> int:
         info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
     if isinstance(getattr(v, "reader", None), BlockScaledReader):  # FP8: which tensors, their blocks
         info["fp8"] = v.reader.summary()
-    show = {"loaders": format_loaders, "fp8": format_fp8}
+    show = {"loaders": format_loaders, "fp8": format_fp8, "training": format_training}
     for k, val in info.items():
         print(f"{k:>12}: {show[k](val) if k in show else val}")
     _dump(info, args.json)

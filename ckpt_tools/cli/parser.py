@@ -198,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
     _add_megatron_topology(p, "--to mcore: Megatron target topology and spec (as hf2mcore)", tp_ep=False,
                            spec_default=None, vocab_note="; source padding is stripped")
+    p.add_argument("--keep-optimizer", action="store_true",
+                   help="--to mcore from a training checkpoint (verl's or megatron's, the distributed optimizer's "
+                        "default fully_sharded_model_space state): also write the optimizer state (fp32 main params, "
+                        "Adam moments) laid out for the target topology, which megatron-core loads at any DP size, "
+                        "and the source's common.pt (param groups, step, lr scheduler). The RNG states are dropped "
+                        "unless the target has the source's PP x TP (they belong to the saving topology: resume "
+                        "with --no-load-rng). dp_zero_gather_scatter / "
+                        "fully_sharded_bucket_space state is refused")
     p.add_argument("--hf-config", default=None, help="HF config dir for a Megatron --from (default: verl's huggingface/ "
                                                       "beside it, or the HF source a ckpt-tools output records)")
     p.add_argument("--prefix", default=None, help="Megatron key prefix (default: auto-detect)")
@@ -237,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="HF config.json / model dir, or a preset: " + ", ".join(sorted(converters.presets())))
     _add_megatron_topology(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--keep-optimizer", action="store_true",
+                   help="price a training checkpoint (reshard --to mcore --keep-optimizer): the 3 fp32 optimizer "
+                        "states of every parameter too, in the bytes per rank and the time")
     p.add_argument("--disk-gbps", type=GBPS, default=2.0, help="disk throughput in GB/s, reads and writes together, for the time estimate: "
                         "time (cp -r DIR X && sync) moves 2 x DIR's size (default 2.0)")
     g = p.add_argument_group("distributed conversion (torchrun: every rank writes its share)")

@@ -16,6 +16,7 @@ from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
 from ..formats.lora import cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
+from ..formats.training import OptimizerSource, TrainingDestination
 from ..formats.views import FormatError, FsdpView, HFView, McoreView, exact_widening, open_view, widest
 from ..formats.vllm_format import VllmDestination
 from ..layout import (
@@ -52,8 +53,10 @@ def is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts):
-    """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened."""
+def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
+              keep_optimizer=False):
+    """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened;
+    ``keep_optimizer``: the source's optimizer state and common.pt too (:class:`TrainingDestination`)."""
     par = megatron_parallel(cfg, **topo)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
@@ -75,6 +78,9 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
         if label == "reshard":
             info.update(dropped=len(_dropped(view)))
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
+        if keep_optimizer:
+            side.update(optimizer="fully_sharded_model_space")
+            return TrainingDestination(layout, view, dt, OptimizerSource(view), side_car=side)
         return TorchDistDestination(layout, view, dt, side_car=side)
 
     view, _, res = convert(Job(out, label, src, open_src, destination), opts, FormatError)
@@ -147,13 +153,19 @@ def _dt_name(dt, keys) -> str:
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                 layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                 vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None, divide="files", no_mtp=False) -> dict:
+                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False) -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
     and other entries dropped, no key prefix), the target spec's _extra_state objects, each target rank's
-    chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore."""
+    chunks in its own file. Streams chunk ranges from the source files through the same engine as hf2mcore.
+    ``keep_optimizer``: also the distributed optimizer's state (fp32 main params, Adam moments) laid out for the
+    target, and the source's common.pt (param groups, step, lr scheduler); the RNG states only where the target
+    keeps the source's PP x TP grid (:mod:`ckpt_tools.formats.training`)."""
     if is_fsdp(src):
+        if keep_optimizer:  # verl's FSDP optimizer files are never read (docs/fsdp.md)
+            raise FormatError(f"--keep-optimizer: {src} is a verl FSDP checkpoint, whose optimizer files are not "
+                              f"read; its model weights convert without the flag")
         return fsdp2mcore(src, out, hf_config, pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last,
                           layer_list=layer_list, spec=spec, dtype=dtype, workers=workers, max_memory=max_memory,
                           overwrite=overwrite, vocab_size_divisible_by=vocab_size_divisible_by, progress=progress,
@@ -171,7 +183,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     view, res = _to_mcore(output, src, "reshard",
                           lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
-                          vocab_size_divisible_by, opts)
+                          vocab_size_divisible_by, opts, keep_optimizer)
     res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
     return res
 

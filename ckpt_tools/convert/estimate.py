@@ -5,17 +5,25 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..layout import MegatronLayout, VllmLayout, box_numel, numel
+from ..layout.optimizer import STATES
 
 
-def plan_megatron(cfg, par, spec="te", dtype_bytes=2, disk_gbps=None, vocab_size_divisible_by=None) -> dict:
+def plan_megatron(cfg, par, spec="te", dtype_bytes=2, disk_gbps=None, vocab_size_divisible_by=None,
+                  optimizer=False) -> dict:
+    """``optimizer``: price ``reshard --to mcore --keep-optimizer`` too - 3 fp32 states (fp32_param, exp_avg,
+    exp_avg_sq: layout/optimizer.py STATES) of every parameter beside its weight, in the weight chunk's rank
+    file; a key whose table row fixes its dtype (the router's expert-bias buffer) has none."""
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
     per_rank = defaultdict(int)
+    opt_rank = defaultdict(int)
     chunks_per_rank = defaultdict(int)
     chunks = layout.chunks()
     for c in chunks:
         per_rank[c.rank] += box_numel(c.box)
         chunks_per_rank[c.rank] += 1
+        if optimizer and not layout.tensors[c.key].dtype:
+            opt_rank[c.rank] += 4 * len(STATES) * box_numel(c.box)
     # what each rank *loads* (its own shards, replicas included): every rank of the stage holding the slice
     total = sum(per_rank.values())
     hf_params = sum(numel(s) for s in layout.hf_shapes.values())
@@ -23,12 +31,14 @@ def plan_megatron(cfg, par, spec="te", dtype_bytes=2, disk_gbps=None, vocab_size
     for r in range(par.world):
         stage = r // par.ranks_per_stage
         ranks.append({"rank": r, "stage": stage, "file": f"__{r}_0.distcp" if r in per_rank else None,
-                      "params_written": per_rank.get(r, 0), "bytes_written": per_rank.get(r, 0) * dtype_bytes,
+                      "params_written": per_rank.get(r, 0),
+                      "bytes_written": per_rank.get(r, 0) * dtype_bytes + opt_rank.get(r, 0),
                       "chunks": chunks_per_rank.get(r, 0)})
     out = {"topology": par.describe(), "layers_per_stage": list(par.layers_per_stage), "world": par.world,
            "files": len(per_rank), "chunks": len(chunks), "objects": len(layout.objects),
-           "params": total, "hf_params": hf_params, "bytes": total * dtype_bytes, "ranks": ranks,
-           "max_rank_bytes": max(per_rank.values()) * dtype_bytes, "spec": spec}
+           "params": total, "hf_params": hf_params, "bytes": total * dtype_bytes + sum(opt_rank.values()),
+           "ranks": ranks, "max_rank_bytes": max(x["bytes_written"] for x in ranks), "spec": spec,
+           "optimizer_bytes": sum(opt_rank.values())}
     if disk_gbps:
         out.update(predict(out["bytes"], disk_gbps))
     return out

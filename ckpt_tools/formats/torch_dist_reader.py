@@ -16,6 +16,7 @@ from ..copy.plan import EngineError, Rec
 from ..core.files import read_json
 from ..core.lazy import torch, torch_version
 from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
+from ..layout.optimizer import is_optimizer_key
 from .safe_pickle import Metadata, TensorStorageMetadata, UnsafePickleError, load_metadata
 from .torch_dist import DistCkptError
 
@@ -178,9 +179,11 @@ class TorchDistReader:
         return cands[0]
 
     def model_keys(self) -> list[str]:
-        """Tensor keys under the model prefix (optimizer state and other entries are skipped)."""
+        """Tensor keys under the model prefix (optimizer state - a chained optimizer's ``chained_{i}.optimizer.*``
+        too: megatron-core 0.12.1 ChainedOptimizer.sharded_state_dict - and other entries are skipped)."""
         p = self.prefix
-        return [k for k in self.tensors if k.startswith(p) and not k.startswith(p + "optimizer")]
+        return [k for k in self.tensors if k.startswith(p) and not is_optimizer_key(k[len(p):])
+                and not is_optimizer_key(k)]
 
     def chunks(self, key: str) -> list[tuple[Box, object]]:
         if self._chunk_index is None:

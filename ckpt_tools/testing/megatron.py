@@ -71,9 +71,9 @@ def transformer_kwargs(cfg) -> dict:
 
 
 def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                    first: int | None = None, last: int | None = None) -> GPT:
+                    first: int | None = None, last: int | None = None, dtype=torch.float32) -> GPT:
     """A megatron-core GPTModel (local spec: no Transformer Engine on CPU) for HF config ``hfcfg`` (any family the
-    tables serve: :func:`transformer_kwargs`) at TP x PP x EP (ETP, default TP), fp32, on this process's existing
+    tables serve: :func:`transformer_kwargs`) at TP x PP x EP (ETP, default TP), ``dtype`` (default fp32) parameters, on this process's existing
     default group (gloo); ``first`` / ``last``: layers of the first / last pipeline stage (megatron's
     num_layers_in_first/last_pipeline_stage)."""
     import torch.nn.functional as F
@@ -104,7 +104,7 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         # fused kernels are CUDA-only
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)

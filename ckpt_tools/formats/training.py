@@ -1,0 +1,312 @@
+"""A training checkpoint's distributed-optimizer state, resharded with the weights (``reshard --to mcore
+--keep-optimizer``).
+
+Source: :class:`OptimizerSource` reads megatron-core 0.12.1's ``fully_sharded_model_space`` optimizer state (the
+layout: :mod:`ckpt_tools.layout.optimizer`) of a torch_dist checkpoint as boxes of the model's global tensors:
+each stored flat range (one DP rank's piece of one saved chunk) is cut into contiguous boxes of its chunk, each a
+*virtual* source record at its offset in the stored data, so the copy is the weights' box intersection through
+the same segments (``McoreView.sources``, one state at a time).
+
+Destination: :class:`TrainingDestination` writes the weights as ``reshard --to mcore`` does and, for every target
+chunk of every parameter that has optimizer state, each state as one whole row of the *target's* reformulated
+shape (``row_of``): megatron-core reads a DP rank's sub-range of it by DCP's box read at any DP size, without
+reformulation. ``common.pt`` is the source's (megatron's ``dist_checkpointing.save`` writes rank 0's non-sharded
+state there and every rank's load merges it: the optimizer's param groups with lr / step / weight decay,
+``param_state_sharding_type``, the lr scheduler, whatever else the job saved), byte for byte. The RNG states
+(verl's / Megatron-LM's ``rng_state`` ShardedObject over the PP x TP grid) are left out: they belong to the
+saving topology (megatron resumes another one with ``--no-load-rng``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from ..copy.plan import Op, Rec, map_sub
+from ..core.lazy import torch
+from ..layout import box_intersect, box_numel, box_shape, box_shift
+from ..layout.optimizer import ORIG_SHAPE, STATES, flat_boxes, local_shape, parse_key, row_of, state_key
+from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, record_template
+from .torch_dist_reader import _IntervalIndex
+
+# megatron-core 0.12.1 distrib_optimizer.py sharded_state_dict: the per-DP-group types save
+# ``optimizer.distributed.dp_group_idx_{i}.*`` (dp_zero_gather_scatter: ShardedObjects, one per DP group;
+# fully_sharded_bucket_space: flat ShardedTensors of the grad buffers' buckets), tied to the saving job's buckets
+PER_DP_GROUP = "optimizer.distributed.dp_group_idx_"
+RNG_KEY = "rng_state"  # verl get_rng_state / Megatron-LM generate_state_dict: ShardedObject "rng_state"
+
+
+class OptimizerError(DistCkptError):
+    pass
+
+
+def sharding_type(reader) -> str | None:
+    """The source's optimizer sharding type from its keys: None (no optimizer state),
+    'fully_sharded_model_space', 'dp_zero_gather_scatter' or 'fully_sharded_bucket_space'."""
+    if any(PER_DP_GROUP in k for k in reader.tensors):
+        return "fully_sharded_bucket_space"
+    if any(PER_DP_GROUP in k for k in reader.objects):
+        return "dp_zero_gather_scatter"
+    if any(parse_key(k) for k in reader.tensors):
+        return "fully_sharded_model_space"
+    return None
+
+
+class OptimizerSource:
+    """The optimizer state of the checkpoint a :class:`~ckpt_tools.formats.views.McoreView` reads, per state and
+    model key; :meth:`sources` is ``McoreView.sources`` for one state."""
+
+    def __init__(self, view):
+        self.view, self.reader = view, view.ckpt
+        path = view.path
+        kind = sharding_type(self.reader)
+        if kind is None:
+            raise OptimizerError(f"--keep-optimizer: {path} holds no optimizer state (a model-only checkpoint)")
+        if kind != "fully_sharded_model_space":
+            raise OptimizerError(f"--keep-optimizer: {path} holds optimizer state of sharding type {kind}: per-DP-group "
+                                 f"buffers of the saving job, not resharded (save with megatron-core's default "
+                                 f"fully_sharded_model_space)")
+        mcore = getattr(self.reader.md, "mcore_data", None) or {}
+        self.keys: dict = {}  # (state, model key) -> (optimizer key, chain index)
+        self.states: list = []
+        for k in self.reader.tensors:
+            p = parse_key(k)
+            if p is None:
+                continue
+            chain, state, mkey = p
+            if mkey not in view.layout.tensors:
+                raise OptimizerError(f"{path}: optimizer key {k} is for {mkey}, not a tensor of the model the HF config "
+                                     f"describes")
+            if self.reader.dtype(k) != torch.float32:
+                raise OptimizerError(f"{path}: {k} is stored as {self.reader.dtype(k)}, not float32")
+            orig = (mcore.get(k) or {}).get(ORIG_SHAPE)
+            if orig is None or tuple(orig) != tuple(self.reader.shape(mkey)):
+                raise OptimizerError(f"{path}: {k} has no {ORIG_SHAPE} equal to {mkey}'s shape "
+                                     f"{list(self.reader.shape(mkey))} in .metadata (got {orig})")
+            ok, why = self.reader.coverage(k)
+            if not ok:
+                raise OptimizerError(f"{path}: {k}: stored ranges do not cover it exactly once: {why}")
+            self.keys[(state, mkey)] = (k, chain)
+            if state not in self.states:
+                self.states.append(state)
+        missing = [s for s in STATES if s not in self.states]
+        if missing:
+            raise OptimizerError(f"{path}: optimizer state lacks {', '.join(missing)} (Adam's fp32_param, exp_avg, "
+                                 f"exp_avg_sq are what megatron-core 0.12.1 saves)")
+        by_key = {}
+        for (state, mkey) in self.keys:
+            by_key.setdefault(mkey, set()).add(state)
+        for mkey, have in by_key.items():
+            if have != set(self.states):
+                raise OptimizerError(f"{path}: {mkey} has optimizer states {sorted(have)}, others {sorted(self.states)}")
+        self.params = set(by_key)  # model keys (source prefix) that have optimizer state
+        self._index: dict = {}
+
+    def has_state(self, hf_name: str) -> bool | None:
+        """Whether the source keys holding HF tensor ``hf_name`` have optimizer state (None: some do, some not)."""
+        have = {seg.key in self.params for seg in self.view.hf_index[hf_name]}
+        return have.pop() if len(have) == 1 else None
+
+    def _pieces(self, state: str, mkey: str):
+        """The stored flat ranges of (state, mkey) as (model-space box, virtual source Rec), indexed."""
+        idx = self._index.get((state, mkey))
+        if idx is not None:
+            return idx
+        okey, _ = self.keys[(state, mkey)]
+        r = self.reader
+        local = local_shape(r.shape(mkey), r.shape(okey))
+        items = []
+        for cbox, si in r.chunks(okey):
+            base = r.record(okey, cbox, si)
+            if base.slow or not r.head_ok(base):
+                raise OptimizerError(f"{r.path}: {base.what} is not a plain torch.save of a contiguous float32 "
+                                     f"tensor: not read")
+            origin = tuple(b[0] * n for b, n in zip(cbox[:-1], local))
+            fs, fe = cbox[-1]
+            for f, box in flat_boxes(local, fs, fe):
+                mbox = box_shift(box, tuple(-o for o in origin))
+                items.append((mbox, Rec(base.path, base.offset + (f - fs) * 4, box_shape(box), torch.float32,
+                                        what=f"{base.what} (elements {f}..{f + box_numel(box)} of its chunk)")))
+        idx = self._index[(state, mkey)] = _IntervalIndex(items, 0)
+        return idx
+
+    def sources(self, state: str, name: str, box):
+        """(virtual Rec, box in it, HF sub-box) covering ``box`` of HF tensor ``name`` in optimizer state
+        ``state``: ``McoreView.sources`` over the stored flat ranges."""
+        for seg in self.view.hf_index[name]:
+            sub = box_intersect(seg.hf_box, box)
+            if sub is None:
+                continue
+            mbox = seg.hf_to_target(sub)
+            for pbox, rec in self._pieces(state, seg.key).query(mbox):
+                inter = box_intersect(pbox, mbox)
+                if inter is not None:
+                    yield rec, box_shift(inter, [b[0] for b in pbox]), seg.target_to_hf(inter)
+
+    def common(self) -> bytes:
+        """The source's common.pt, byte for byte."""
+        fp = os.path.join(self.reader.path, "common.pt")
+        try:
+            with open(fp, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise OptimizerError(f"--keep-optimizer: {self.reader.path} has no common.pt (the optimizer's param "
+                                 f"groups and step live there)") from None
+
+    def rng_objects(self) -> list:
+        return sorted(o for o in self.reader.objects if o.split("/")[0] == RNG_KEY)
+
+    def rng_grid(self) -> tuple | None:
+        """The (PP, TP) grid of the source's rng objects (ShardedObject ``rng_state`` of global shape (PP, TP):
+        DCP key ``rng_state/shard_{pp}.{tp}_{PP}.{TP}``, mapping.py ``ShardedObject.unique_key``); None: none, or
+        not that form."""
+        grids = set()
+        for o in self.rng_objects():
+            try:
+                grids.add(tuple(int(x) for x in o.rsplit("_", 1)[1].split(".")))
+            except ValueError:
+                return None
+        return grids.pop() if len(grids) == 1 else None
+
+    def rng_records(self) -> list:
+        """(DCP key, file, byte offset, length) of every rng object."""
+        out = [(mi.fqn, si.relative_path, si.offset, si.length) for mi, si in self.reader.storage.items()
+               if mi.fqn in set(self.rng_objects())]
+        if len(out) != len(self.rng_objects()):
+            raise OptimizerError(f"{self.reader.path}: rng objects listed without stored bytes")
+        return sorted(out)
+
+
+class TrainingDestination(TorchDistDestination):
+    """:class:`TorchDistDestination` plus the optimizer state of ``opt`` (an :class:`OptimizerSource`) for every
+    target chunk of a parameter that has it, and the source's ``common.pt``."""
+
+    def __init__(self, layout, source, dtype, opt: OptimizerSource, side_car: dict | None = None):
+        super().__init__(layout, source, dtype, side_car)
+        self.opt = opt
+        cfg, par = layout.cfg, layout.par
+        chained = cfg.is_moe  # optimizer/__init__.py get_megatron_optimizer: dense and expert optimizers, chained
+        if chained:
+            for s in range(par.pp):
+                if not any(cfg.layer_is_moe(i) for i in range(cfg.layers) if par.stage_of_layer(i) == s):
+                    raise OptimizerError(f"--keep-optimizer: pipeline stage {s} would hold no MoE layer: megatron "
+                                         f"builds a single (not chained) optimizer there, whose state this writer "
+                                         f"does not lay out")
+        self.params = {}
+        for key, ts in layout.tensors.items():
+            have = {opt.has_state(sg.hf) for sg in ts.segments}
+            if None in have or len(have) > 1:
+                raise OptimizerError(f"--keep-optimizer: {key} is made of source tensors of which only some have "
+                                     f"optimizer state")
+            if have.pop():
+                chain = (1 if layout._rows[key].get("where") == "expert" else 0) if chained else None
+                self.params[key] = chain
+        nd = {}
+        self.opt_recs, self.opt_storage, self.opt_meta = [], {}, {}
+        pos = dict(self.files)
+        for c in self.chunks:
+            if c.key not in self.params:
+                continue
+            shape = layout.tensors[c.key].shape
+            reform, row = row_of(shape, c.box)
+            n = reform[-1]
+            fn = f"__{c.rank}_0.distcp"
+            head, tail = record_template((1,) * len(shape) + (n,), torch.float32)
+            for state in opt.states:
+                k = state_key(state, c.key, self.params[c.key])
+                off = pos.get(fn, 0)
+                length = len(head) + 4 * n + len(tail)
+                pos[fn] = off + length
+                self.opt_storage[(k, row)] = (fn, off, length)
+                self.opt_meta.setdefault(k, (reform, shape, []))[2].append(row)
+                self.opt_recs.append((c, state, fn, off + len(head), head, tail))
+                nd[k] = n
+        # the rng states belong to the saving topology's (PP, TP) grid: kept byte for byte when the target has
+        # the same grid (verl load_rng_states indexes the object by its own PP / TP rank), else dropped
+        self.rng = {}
+        if opt.rng_objects() and opt.rng_grid() == (par.pp, par.tp):
+            fn = min(pos)
+            for key, rel, off, n in opt.rng_records():
+                with open(os.path.join(opt.reader.path, rel), "rb") as f:
+                    f.seek(off)
+                    data = f.read(n)
+                if len(data) != n:
+                    raise OptimizerError(f"{opt.reader.path}/{rel}: truncated (rng object {key} at byte {off})")
+                self.blobs[fn].append((pos[fn], data))
+                self.rng[key] = (fn, pos[fn], n)
+                pos[fn] += n
+        self.files = pos
+        self.opt_bytes = sum(4 * box_numel(c.box) for c, *_ in self.opt_recs)
+        self.total += self.opt_bytes
+
+    def items(self, root: str):
+        yield from super().items(root)
+        for c, state, fn, off, head, tail in self.opt_recs:
+            rec = Rec(os.path.join(root, fn), off, box_shape(c.box), torch.float32, head=head, tail=tail,
+                      what=f"{state} of {c.key}")
+            yield rec, functools.partial(self._opt_ops, c, state, rec)
+
+    def _opt_ops(self, c, state, rec) -> list:
+        ops = []
+        for hf, hbox, dbox in chunk_pieces(self.layout, c):
+            for srec, sbox, hsub in self.opt.sources(state, hf, hbox):
+                ops.append(Op(srec, sbox, rec, map_sub(hbox, dbox, hsub) if hsub != hbox else dbox))
+        return ops
+
+    def prepare(self) -> dict:
+        out = super().prepare()
+        out["common.pt"] = self.opt.common()
+        return out
+
+    def _metadata(self, m):
+        md = super()._metadata(m)
+        sdm, sd = md.state_dict_metadata, md.storage_data
+        for k, (reform, shape, rows) in self.opt_meta.items():
+            sdm[k] = m.TensorStorageMetadata(m.TensorProperties(dtype=torch.float32), torch.Size(reform),
+                                             [m.ChunkStorageMetadata(torch.Size(r), torch.Size((1,) * len(shape) + (reform[-1],)))
+                                              for r in rows])
+            md.mcore_data[k] = {ORIG_SHAPE: tuple(shape)}
+        for (k, row), v in self.opt_storage.items():
+            sd[m.MetadataIndex(k, torch.Size(row))] = m._StorageInfo(*v)
+        for k, v in self.rng.items():
+            sdm[k] = m.BytesStorageMetadata()
+            sd[m.MetadataIndex(k, None)] = m._StorageInfo(*v)
+        return md
+
+    def summary(self) -> dict:
+        out = super().summary()
+        out.update(optimizer_states=list(self.opt.states), optimizer_params=len(self.params),
+                   optimizer_bytes=self.opt_bytes, rng_kept=len(self.rng),
+                   rng_dropped=len(self.opt.rng_objects()) - len(self.rng))
+        return out
+
+
+def training_summary(reader) -> dict | None:
+    """What a torch_dist checkpoint holds beyond the model (``inspect``): the optimizer's sharding type, its
+    states, parameters and bytes, the step and lr of its param groups (common.pt, read with torch's weights-only
+    unpickler; "unread" when it holds other objects, e.g. Megatron-LM's args), the rng objects. None: none."""
+    kind = sharding_type(reader)
+    rng = sorted(o for o in reader.objects if o.split("/")[0] == RNG_KEY)
+    if kind is None and not rng:
+        return None
+    out = {"sharding_type": kind, "rng_objects": len(rng)}
+    if kind == "fully_sharded_model_space":
+        keys = [(k, parse_key(k)) for k in reader.tensors if parse_key(k)]
+        out.update(states=sorted({p[1] for _, p in keys}), parameters=len({p[2] for _, p in keys}),
+                   chained=sorted({p[0] for _, p in keys if p[0] is not None}),
+                   bytes=sum(box_numel(tuple((0, n) for n in reader.shape(k))) * 4 for k, _ in keys))
+    try:
+        common = torch.load(os.path.join(reader.path, "common.pt"), weights_only=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 - anything but plain data (or no file): not shown
+        out["step"] = "unread"
+        return out
+    opt = common.get("optimizer") if isinstance(common, dict) else None
+    groups = []
+    for o in (opt.values() if isinstance(opt, dict) and all(isinstance(k, int) for k in opt) else [opt]):
+        if isinstance(o, dict):
+            groups += (o.get("optimizer") or {}).get("param_groups") or []
+    steps = sorted({g.get("step") for g in groups if isinstance(g, dict) and "step" in g})
+    lrs = sorted({g.get("lr") for g in groups if isinstance(g, dict) and "lr" in g})
+    out.update(step=steps[0] if len(steps) == 1 else steps or None, lr=lrs[0] if len(lrs) == 1 else lrs or None)
+    if isinstance(common, dict) and isinstance(common.get("lr_scheduler"), dict):
+        out["scheduler_steps"] = common["lr_scheduler"].get("num_steps")
+    return out

@@ -1,0 +1,251 @@
+"""``reshard --to mcore --keep-optimizer`` judged by megatron-core 0.12.1 itself (issue 43).
+
+A training job at topology A (real GPTModel, DistributedDataParallel and DistributedOptimizer on CPU under gloo:
+tests/optim_worker.py) trains 2 steps, saves verl's training state dict with megatron's ``dist_checkpointing.save``
+and takes a third step in memory (what resuming from its own checkpoint gives: model and optimizer state are
+saved exactly). We reshard its checkpoint to topology B; megatron builds B, loads our output under
+``StrictHandling.RAISE_ALL`` and takes the third step. Judged:
+
+* every optimizer state (fp32_param, exp_avg, exp_avg_sq) of every parameter, gathered to global by parameter
+  coordinate from the pieces megatron's optimizer holds after the load, equals A's bit for bit;
+* the third step's loss agrees within a derived bound, and so do the updated fp32 masters (see
+  :func:`master_bound`).
+
+Worlds of 4 ranks (the machine has 2 cores). CI cost: two module fixtures of two megatron worlds each (A trains,
+saves and steps; B loads and steps), 140 s dense and 164 s MoE; the whole module 367 s here at a load average of
+20-40 (other jobs beside it), in the main suite and in the users' torch 2.7.1 lane.
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckpt_tools.layout.optimizer import STATES, flat_boxes, local_shape, row_of
+from conftest import run_ranks
+
+BETA1, BETA2 = 0.9, 0.95  # tests/optim_worker.py's Adam
+
+
+# ------------------------------------------------------------------------------------------- layout math (cheap)
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 1, 6, 5)])
+def test_flat_ranges_cut_into_contiguous_boxes_in_order(shape):
+    n = math.prod(shape)
+    ref = torch.arange(n).reshape(shape)
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            got, pos = [], start
+            for f, box in flat_boxes(shape, start, stop):
+                assert f == pos  # in order, no gap
+                part = ref[tuple(slice(a, b) for a, b in box)].reshape(-1)
+                assert torch.equal(part, torch.arange(f, f + part.numel()))  # one contiguous run at f
+                pos += part.numel()
+                got.append(box)
+            assert pos == stop
+
+
+def test_rows_of_the_reformulated_shape():
+    # strategies/torch.py: [X, Y, Z] cut in [x, y, z] -> [X // x, Y // y, Z // z, x * y * z], row at the chunk index
+    assert row_of((6, 256, 128), ((2, 3), (128, 256), (0, 128))) == ((6, 2, 1, 128 * 128), (2, 1, 0, 0))
+    assert local_shape((6, 256, 128), (6, 2, 1, 128 * 128)) == (1, 128, 128)
+
+
+@pytest.mark.parametrize("tensors,objects,kind", [
+    ({"chained_1.optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"}, set(),
+     "fully_sharded_model_space"),
+    (set(), {"optimizer.distributed.dp_group_idx_0.param_state/shard_0_1"}, "dp_zero_gather_scatter"),
+    ({"chained_0.optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.bfloat16)"
+      ".bucket_idx_0.exp_avg_sq"}, set(), "fully_sharded_bucket_space"),
+])
+def test_per_dp_group_optimizer_state_is_refused_in_one_line_naming_its_type(tensors, objects, kind):
+    from types import SimpleNamespace
+
+    from ckpt_tools.formats.training import OptimizerError, OptimizerSource, sharding_type
+
+    reader = SimpleNamespace(tensors=dict.fromkeys(tensors), objects=set(objects), path="CK")
+    assert sharding_type(reader) == kind
+    if kind != "fully_sharded_model_space":
+        with pytest.raises(OptimizerError, match=f"sharding type {kind}") as e:
+            OptimizerSource(SimpleNamespace(ckpt=reader, path="CK"))
+        assert "\n" not in str(e.value)
+
+
+def test_keep_optimizer_needs_optimizer_state_and_the_mcore_target(tiny_hf, tmp_path):
+    from ckpt_tools import convert
+
+    src = str(tmp_path / "model_only")
+    convert.hf2mcore(tiny_hf, src, progress=False)
+    base = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--from", src, "--hf-config", tiny_hf, "--keep-optimizer",
+            "--no-progress"]
+    p = subprocess.run(base + ["--to", "mcore", "--out", str(tmp_path / "o1")], capture_output=True, text=True)
+    assert p.returncode == 2 and "holds no optimizer state" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "o1")
+    p = subprocess.run(base + ["--to", "vllm", "--tp", "1", "--out", str(tmp_path / "o2")], capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and "--keep-optimizer applies to --to mcore only" in p.stderr
+
+
+# ------------------------------------------------------------------------------------------- the megatron judge
+def gather(out: str, prefix: str, complete: bool = True) -> dict:
+    """(state, model key) -> global fp32 tensor assembled from every rank's optimizer pieces (replicas must agree),
+    and where no piece fell, NaN."""
+    g, filled = {}, {}
+    for fn in sorted(os.listdir(out)):
+        if not re.fullmatch(rf"{prefix}_\d+\.pt", fn):
+            continue
+        for key, gshape, goff, lshape, fs, fe, vals in torch.load(os.path.join(out, fn)):
+            m = re.fullmatch(r"(chained_\d+\.)?optimizer\.state\.(\w+?)\.(.+)", key)
+            state, mkey = m.group(2), m.group(3)
+            k = (state, mkey)
+            if k not in g:
+                g[k] = torch.full(gshape, float("nan"))
+                filled[k] = torch.zeros(gshape, dtype=torch.bool)
+            full = (1,) * (len(gshape) - len(lshape)) + tuple(lshape)
+            sl = tuple(slice(o, o + n) for o, n in zip(goff, full))
+            chunk, mask = g[k][sl].clone().reshape(-1), filled[k][sl].clone().reshape(-1)
+            old = chunk[fs:fe]
+            seen = mask[fs:fe]
+            assert not complete or torch.equal(old[seen], vals[seen]), f"replicas of {key} differ"
+            chunk[fs:fe], mask[fs:fe] = vals, True
+            g[k][sl], filled[k][sl] = chunk.view(full), mask.view(full)
+    for k, m in filled.items():
+        assert not complete or bool(m.all()), f"{k}: {int((~m).sum())} elements held by no rank"
+    return g
+
+
+def master_bound(lr: float, t: int) -> float:
+    """Largest |difference| of two Adam updates of one element at step ``t`` from the same state: the same fp32
+    master and moments (checked bit for bit), the gradients alone differ (reduction order across TP / PP / DP).
+    The decoupled weight decay term lr * wd * theta is the same on both sides; the Adam term is lr * m_hat /
+    (sqrt(v_hat) + eps) with |m_hat / sqrt(v_hat)| <= (1 - b1) / (1 - b1^t) * sqrt((1 - b2^t) / (1 - b2)) *
+    sqrt(sum_j<t (b1^2 / b2)^j) (Cauchy-Schwarz over the gradients' history), whatever the gradients: so each
+    side moves by at most lr times that, and the two by at most twice it (1.001 * lr each at t = 3 here)."""
+    r = (1 - BETA1) / (1 - BETA1 ** t) * math.sqrt((1 - BETA2 ** t) / (1 - BETA2)) * \
+        math.sqrt(sum((BETA1 ** 2 / BETA2) ** j for j in range(t)))
+    return 2 * lr * r
+
+
+# the third step's loss: the bf16 forward at B sums other partial products (TP row-parallel all-reduces, other
+# GEMM blocking), each rounded to bf16 (unit roundoff 2^-8): a few roundings per layer of activations of order 1,
+# through 6 layers, so the logits move by O(10 * 2^-8) at most and the mean cross entropy (1-Lipschitz in the
+# logits' max norm, twice that for a difference) by 2^-3 at most; measured: see the closing note
+LOSS_BOUND = 2 ** -3
+
+CASES = {
+    # dense: A PP2 (2 / 4 layers, uneven) x TP1 x DP2 (DP-split rows on disk) -> B PP1 x TP2 x DP2
+    "dense": dict(family="qwen2", over=dict(tie_word_embeddings=False), a=dict(tp=1, pp=2, first=2),
+                  b=dict(tp=2, pp=1)),
+    # MoE: A PP2 (2 / 4) x EP2 x DP2 (dense and expert optimizers chained) -> B PP1 x EP4 x DP4 (an EP change
+    # with a PP change: Megatron-LM #1517's PP4 -> EP4 kind); megatron's own load of A at B is recorded beside
+    "moe": dict(family="mixtral", over={}, a=dict(tp=1, pp=2, first=2, ep=2), b=dict(tp=1, pp=1, ep=4)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def judged(request, tmp_path_factory):
+    from ckpt_tools.testing.synth import make_tiny_hf
+
+    case = CASES[request.param]
+    d = tmp_path_factory.mktemp(f"train_{request.param}")
+    hf = str(d / "hf")
+    make_tiny_hf(hf, model_type=case["family"], **case["over"])
+    a_dir, b_dir = str(d / "A"), str(d / "B")
+    dump_a, dump_b = str(d / "dump_A"), str(d / "dump_B")
+    ra, _ = run_ranks("optim_worker.py", d, timeout=900, hf=hf, world=4, steps=2, save=a_dir, after=1, dump=dump_a,
+                      **case["a"])
+    b = case["b"]
+    cmd = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--to", "mcore", "--from", a_dir, "--out", b_dir,
+           "--hf-config", hf, "--tp", str(b["tp"]), "--pp", str(b["pp"]), "--ep", str(b.get("ep", 1)),
+           "--spec", "local", "--keep-optimizer", "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    extra = dict(own_load=a_dir) if request.param == "moe" else {}
+    rb, _ = run_ranks("optim_worker.py", d, timeout=900, hf=hf, world=4, load=b_dir, after=1, dump=dump_b, **b,
+                      **extra)
+    return dict(a=ra, b=rb, dump_a=dump_a, dump_b=dump_b, reshard=p.stdout, name=request.param, a_dir=a_dir, hf=hf,
+                case=case, d=d)
+
+
+def test_megatron_loads_every_optimizer_element_bit_for_bit(judged):
+    a = gather(judged["dump_a"], "stepped")  # (A's dump at the end is after its third step: compare the saved
+    # state instead, which A saved after step 2 -> B loaded it: B's pieces right after the load)
+    loaded = gather(judged["dump_b"], "loaded")
+    saved = gather(judged["dump_a"], "saved")
+    assert set(loaded) == set(saved) and {s for s, _ in saved} == set(STATES)
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), f"{k}: {int((loaded[k] != saved[k]).sum())} elements differ"
+    assert set(a) == set(saved)
+    rb = judged["b"]
+    assert all(r.get("step0") == 2 for r in rb.values())  # the scheduler's state came over (common.pt)
+    print(judged["name"], judged["reshard"].strip())
+    own = {r.get("own") for r in rb.values()} - {None}
+    if own:  # megatron's own load-time reshard of A's checkpoint at B (recorded for the closing note)
+        if own == {"loaded"}:
+            got = gather(judged["dump_b"], "own", complete=False)
+            bad = {f"{s}.{k}": int((got[(s, k)] != saved[(s, k)]).sum()) if (s, k) in got else "absent"
+                   for s, k in saved if (s, k) not in got or not torch.equal(got[(s, k)], saved[(s, k)])}
+            print(f"megatron's own load of A at B: loaded; {len(bad)} of {len(saved)} states differ from A's: "
+                  f"{dict(list(bad.items())[:6])}")
+        else:
+            print(f"megatron's own load of A at B: {sorted(own)[0][:600]}")
+
+
+def test_the_next_step_agrees_within_the_derived_bounds(judged):
+    ra, rb = judged["a"], judged["b"]
+    loss_a, loss_b = ra[0]["losses"][2], rb[0]["losses"][0]
+    lr = ra[0]["lr"]
+    assert lr == rb[0]["lr"]
+    a, b = gather(judged["dump_a"], "stepped"), gather(judged["dump_b"], "stepped")
+    bound = master_bound(lr, 3)
+    worst = 0.0
+    for k in a:
+        if k[0] == "fp32_param":
+            worst = max(worst, (a[k] - b[k]).abs().max().item())
+    print(f"{judged['name']}: step-3 loss A {loss_a:.6f} B {loss_b:.6f} (|diff| {abs(loss_a - loss_b):.2e}, bound "
+          f"{LOSS_BOUND:.2e}); max |master A - B| {worst:.2e} (bound {bound:.2e})")
+    assert abs(loss_a - loss_b) <= LOSS_BOUND
+    assert worst <= bound
+
+
+def _rng_bytes(d):
+    from ckpt_tools.formats.torch_dist_reader import TorchDistReader
+
+    r, out = TorchDistReader(d), {}
+    for mi, si in r.storage.items():
+        if mi.fqn.startswith("rng_state/"):
+            with open(os.path.join(d, si.relative_path), "rb") as f:
+                f.seek(si.offset)
+                out[mi.fqn] = f.read(si.length)
+    return out
+
+
+def test_rng_states_follow_only_an_unchanged_pp_tp_grid(judged):
+    a = judged["case"]["a"]
+    assert "rng states dropped (2 objects" in judged["reshard"]  # B changed PP
+    same = str(judged["d"] / "same_grid")
+    cmd = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--to", "mcore", "--from", judged["a_dir"], "--out", same,
+           "--hf-config", judged["hf"], "--tp", str(a["tp"]), "--pp", str(a["pp"]), "--num-layers-in-first-pipeline-stage",
+           str(a["first"]), "--ep", str(2 * a.get("ep", 1) if a.get("ep") else 1), "--spec", "local", "--keep-optimizer",
+           "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "rng states dropped" not in p.stdout
+    src = _rng_bytes(judged["a_dir"])
+    assert len(src) == a["pp"] * a["tp"] and _rng_bytes(same) == src
+    assert _rng_bytes(str(judged["d"] / "B")) == {}
+
+
+def test_plan_prices_the_optimizer_state():
+    from ckpt_tools.convert.estimate import plan_megatron
+    from ckpt_tools.layout import MegatronParallel, load_config
+
+    cfg = load_config("qwen3-235b-a22b")
+    par = MegatronParallel.build(94, pp=8, tp=4, ep=4, etp=1, first=11, last=11)
+    w = plan_megatron(cfg, par, dtype_bytes=2)
+    t = plan_megatron(cfg, par, dtype_bytes=2, optimizer=True)
+    # 3 fp32 states of every parameter (Qwen3's router has no expert-bias buffer): 14 bytes a parameter in all
+    assert t["optimizer_bytes"] == 12 * w["params"] and t["bytes"] == 14 * w["params"] == w["bytes"] * 7
+    assert sum(r["bytes_written"] for r in t["ranks"]) == t["bytes"]
