@@ -210,7 +210,7 @@ class TorchDistReader:
         """Chunks of ``key`` overlapping ``box`` (indexed on the first two dims: layer, expert)."""
         idx = self._qindex.get(key)
         if idx is None:
-            idx = self._qindex[key] = _IntervalIndex(self.chunks(key), 0)
+            idx = self._qindex[key] = IntervalIndex(self.chunks(key), 0)
         return idx.query(box)
 
     def coverage(self, key: str) -> tuple[bool, str]:
@@ -495,7 +495,7 @@ def _mask_crc(head: bytes) -> bytes:
     return head[:i + 14] + b"\0\0\0\0" + head[i + 18:]
 
 
-class _IntervalIndex:
+class IntervalIndex:
     """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
 
     def __init__(self, items, d: int, depth: int = 2):
@@ -511,7 +511,7 @@ class _IntervalIndex:
         self.ivs = sorted(buckets)
         self.disjoint = all(a[1] <= b[0] for a, b in zip(self.ivs, self.ivs[1:]))
         self.starts = [iv[0] for iv in self.ivs]
-        self.children = [_IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
+        self.children = [IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
 
     def query(self, box):
         if self.leaf:

@@ -26,7 +26,7 @@ from ..core.lazy import torch
 from ..layout import box_intersect, box_numel, box_shape, box_shift
 from ..layout.optimizer import ORIG_SHAPE, STATES, flat_boxes, local_shape, parse_key, row_of, state_key
 from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, record_template
-from .torch_dist_reader import _IntervalIndex
+from .torch_dist_reader import IntervalIndex
 
 # megatron-core 0.12.1 distrib_optimizer.py sharded_state_dict: the per-DP-group types save
 # ``optimizer.distributed.dp_group_idx_{i}.*`` (dp_zero_gather_scatter: ShardedObjects, one per DP group;
@@ -126,7 +126,7 @@ class OptimizerSource:
                 mbox = box_shift(box, tuple(-o for o in origin))
                 items.append((mbox, Rec(base.path, base.offset + (f - fs) * 4, box_shape(box), torch.float32,
                                         what=f"{base.what} (elements {f}..{f + box_numel(box)} of its chunk)")))
-        idx = self._index[(state, mkey)] = _IntervalIndex(items, 0)
+        idx = self._index[(state, mkey)] = IntervalIndex(items, 0)
         return idx
 
     def sources(self, state: str, name: str, box):
