@@ -18,7 +18,9 @@ A row is one logical weight:
           ``vllm_at`` {version: name} where a vLLM version names it otherwise (converters/vllm_names.py has the
           renames every family shares)
   dtype   the dtype this weight keeps whatever ``--dtype`` says (the router's expert bias: fp32); ``vllm_dtype``
-          the same for vLLM's parameter only (vLLM's loader casts a mismatch with a warning: written as it holds it)
+          the same for vLLM's parameter only (vLLM's loader casts a mismatch with a warning: written as it holds it);
+          ``vllm_dtype_at`` {version: dtype} where a vLLM version holds it in another (``"model"``: the model's
+          dtype, the config's ``torch_dtype``)
   untied  only when the config does not tie the embeddings (``lm_head``); ``vllm_tied``: vLLM's name of the
           tensor when they are tied
 Shapes: H hidden, d head_dim, nq/nkv heads, F intermediate, Fm expert intermediate, Fs shared-expert intermediate.

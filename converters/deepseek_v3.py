@@ -53,7 +53,8 @@ def _qk(m):  # per head: the no-rope and the rope part of q, of k
 
 _QL, _KVA = (lambda m: (m.q_lora_rank, m.hidden)), (lambda m: (m.kv_lora_rank + m.qk_rope_dim, m.hidden))
 _A = "self_attn."
-_V32 = "0.32.0"  # vLLM 0.32 re-registers some MLA modules under mla_attn and the router bias on its MoE runner
+# vLLM 0.32 re-registers some MLA modules under mla_attn and the router bias on its MoE runner
+_V32, _V0101 = "0.32.0", "0.10.1"
 VLLM_BUFFERS_AT = {_V32: ("self_attn.attn.", "self_attn.mla_attn.mla_attn.")}  # where its attention's scales are
 GLOBAL = c.GLOBAL
 LAYER = [
@@ -92,7 +93,11 @@ LAYER = [
     *c.DENSE_MLP[1:],
     dict(hf="mlp.gate.weight", shape=c.router, mcore="mlp.router.weight", where="moe", shard="rep",
          vllm=("mlp.gate.weight", "rep"), vllm_at={_V32: "mlp.experts.gate.weight"}),
-    dict(c.EXPERT_BIAS, vllm_at={_V32: "mlp.experts.gate.e_score_correction_bias"}),
+    # vLLM 0.10.1 (models/deepseek_v2.py DeepseekV2MoE): ``mlp.gate.e_score_correction_bias`` handed to FusedMoE
+    # (``self.e_score_correction_bias``): one storage under two names, ShardedStateLoader._filter_subtensors keeps
+    # the experts'; a plain ``torch.empty`` there, so in the model's dtype, not fp32
+    dict(c.EXPERT_BIAS, vllm_at={_V32: "mlp.experts.gate.e_score_correction_bias",
+                                 _V0101: "mlp.experts.e_score_correction_bias"}, vllm_dtype_at={_V0101: "model"}),
     *c.experts("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
     *[dict(r, vllm_at={_V32: r["vllm"][0].replace("mlp.shared_experts.", "mlp.experts._shared_experts._layer.")})
       for r in c.SHARED_EXPERTS],

