@@ -235,3 +235,40 @@ def test_a_vllm_side_needs_no_no_mtp(tmp_path, capsys):
     assert _cli(capsys, "reshard", "--from", hf, "--to", "vllm", "--tp", "2", "--out", v, "--no-progress")[0] == 0
     rc, out, err = _cli(capsys, "verify", "--hf", hf, "--vllm", v, "--no-progress")
     assert rc == 0 and "OK" in out, (out, err)
+
+
+def test_a_dtype_the_target_fixes_is_compared_after_its_own_cast(tmp_path, capsys):
+    """vLLM 0.10.1 holds DeepSeek's router ``e_score_correction_bias`` in the model's bf16 (its row's
+    ``vllm_dtype_at``), so ``--vllm-version 0.10.1`` writes the fp32 source bias (the official layout) in bf16, as
+    vLLM's own HF load casts it: verify compares the source after that same cast, bit for bit, and says so (found
+    when issue 47's fixed dtype met issue 45's rule: verify said FAILED, "a cast", on our own output). The cast
+    is still a comparison: a bias element changed in the output differs."""
+    src = make_tiny_hf(str(tmp_path / "ds"), model_type="deepseek_v3", seed=5, dtype=torch.bfloat16)
+
+    def fp32_bias(t):  # fp32 values bf16 does not hold: the cast rounds them
+        for n in [n for n in t if n.endswith("e_score_correction_bias")]:
+            t[n] = t[n].float() + 1e-3
+
+    _rewrite(src, fp32_bias)
+    v = tmp_path / "v"
+    assert _cli(capsys, "reshard", "--from", src, "--to", "vllm", "--tp", "2", "--vllm-version", "0.10.1",
+                "--out", v, "--no-progress")[0] == 0
+    js = tmp_path / "rep.json"
+    rc, out, _ = _cli(capsys, "verify", "--hf", src, "--vllm", v, "--no-progress", "--json", js)
+    assert rc == 0 and "compared bit for bit after the same cast its own load makes" in out, out
+    rep = json.load(open(js))
+    biases = [r for r in rep["tensors"] if r["tensor"].endswith("e_score_correction_bias")]
+    assert biases and all(r["equal"] and r.get("fixed") == "bfloat16" for r in biases), biases
+    assert rep["fixed"] == len(biases) and rep["cast"] == 0
+    # the same comparison finds a changed element
+    f = next(p for p in sorted(v.iterdir()) if p.name.endswith(".safetensors"))
+    from safetensors.torch import load_file
+    t = load_file(str(f))
+    name = next(n for n in t if n.endswith("e_score_correction_bias"))
+    t[name] = t[name].clone()
+    t[name][0] += 1
+    save_file(t, str(f), metadata={"format": "pt"})
+    rc, out, _ = _cli(capsys, "verify", "--hf", src, "--vllm", v, "--no-progress", "--json", js)
+    assert rc == 1 and "FAILED" in out, out
+    bad = [r for r in json.load(open(js))["tensors"] if not r["equal"]]
+    assert [r["tensor"].split(":", 1)[1] for r in bad] == [name], bad

@@ -61,18 +61,25 @@ class _Cmp:
     """Accumulates one tensor's comparison over its blocks. The dtype rule (README, "dtype rule"): where one side
     is a target (``WIDENING_TARGETS``) storing the tensor in a dtype that holds every value of the other side's
     (bf16 / fp16 -> fp32), the narrower side is widened - exactly - and the two compared bit for bit: equal, as
-    "widened to the target's float32"; a value the narrower dtype does not hold is a difference. Any other dtype
-    difference is a cast (a difference unless --allow-cast, then compared in the narrower dtype)."""
+    "widened to the target's float32"; a value the narrower dtype does not hold is a difference. ``fixed``: the
+    dtype the target's layout fixes for this tensor whatever the source's (a vLLM version's own parameter dtype,
+    ``vllm_dtype_at``: vLLM 0.10.1 holds DeepSeek's router bias in the model's bf16): there the other side is cast
+    to it as the target's own load casts it, and the two compared bit for bit ("cast to the target's fixed
+    bfloat16"). Any other dtype difference is a cast (a difference unless --allow-cast, then compared in the
+    narrower dtype)."""
 
-    def __init__(self, da, db, allow_cast, kinds=("hf", "hf")):
+    def __init__(self, da, db, allow_cast, kinds=("hf", "hf"), fixed=None):
         self.da, self.db = da, db
         self.widen = None  # the target's dtype the other side is widened to, exactly
+        self.fixed = None  # the target's fixed dtype (second side) the first side is cast to, as its own load does
         if da != db:
             if kinds[1] in WIDENING_TARGETS and exact_widening(da, db):
                 self.widen = db
             elif kinds[0] in WIDENING_TARGETS and exact_widening(db, da):
                 self.widen = da
-        self.cast = da != db and self.widen is None
+            elif kinds[1] == "vllm" and fixed is not None and fixed == db:
+                self.fixed = db
+        self.cast = da != db and self.widen is None and self.fixed is None
         self.cmp = compare_dtype(da, db) if self.cast else None
         self.wide = (da if self.cmp == db else db) if self.cast else None
         self.equal, self.rounded, self.mismatched, self.max_abs = True, False, 0, 0.0
@@ -83,6 +90,8 @@ class _Cmp:
             return
         if self.widen is not None:  # exact: every value of the narrower dtype is one of the wider
             x, y = x.to(self.widen), y.to(self.widen)
+        elif self.fixed is not None:  # the target's own load casts the source to its fixed dtype: do the same
+            x = x.to(self.fixed)
         elif self.cast:
             w = x if x.dtype == self.wide else y
             if not self.rounded and not torch.equal(_bits(w.to(self.cmp).to(self.wide)), _bits(w)):
@@ -157,6 +166,7 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
         problems = problems + ["0 tensors compared: nothing was checked (a coverage gap, not a match)"]
     return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
             "cast": sum(1 for r in rows if r.get("cast")), "widened": sum(1 for r in rows if r.get("widened")),
+            "fixed": sum(1 for r in rows if r.get("fixed")),
             "rounded": sum(1 for r in rows if r.get("rounded")),
             "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
             "tensors": rows}
@@ -170,9 +180,10 @@ def _vllm_row(vl, other, r, n, ts, allow_cast, max_memory) -> dict:
     whole = None  # a rank tensor within the budget is read once, its segments sliced from it
     if numel(ts.shape) <= max_memory // BYTES_PER_ELEMENT:
         whole = vl.rank_tensor(r, n)
+    fixed = getattr(torch, ts.dtype) if ts.dtype else None  # the layout's own dtype for it (VllmLayout._dtype)
     for seg in ts.segments:
         do = other.dtype_of(seg.hf)
-        c = _Cmp(do, dv, allow_cast, (other.kind, vl.kind))
+        c = _Cmp(do, dv, allow_cast, (other.kind, vl.kind), fixed)
         cmps.append(c)
         if c.cast and not allow_cast:
             continue
@@ -214,6 +225,9 @@ def _finish(row, cmps, allow_cast, zeros_ok=True):
     widened = sorted({dtype_name(c.widen) for c in cmps if c.widen is not None})
     if widened:
         row["widened"] = "+".join(widened)
+    fixed = sorted({dtype_name(c.fixed) for c in cmps if c.fixed is not None})
+    if fixed:
+        row["fixed"] = "+".join(fixed)
     if cast:
         row["cast"] = True
         row["rounded"] = any(c.rounded for c in cast)
@@ -233,6 +247,8 @@ def print_report(rep: dict, out, limit: int = 40):
         res = "EQUAL" if r["equal"] else "DIFF " + r.get("why", f"max|d|={r.get('max_abs_diff')} n={r.get('mismatched')}")
         if r["equal"] and r.get("widened"):
             res += f" (widened to the target's {r['widened']})"
+        if r["equal"] and r.get("fixed"):
+            res += f" (cast to the target's fixed {r['fixed']}, as its own load casts it)"
         if r["equal"] and r.get("cast"):
             res += " (after a cast" + (", rounded)" if r.get("rounded") else ")")
         print(f"{r['tensor']:<{w}}  {str(r.get('shape', '')):<22} {r.get('dtype', ''):<26} {res}", file=out)
@@ -245,6 +261,9 @@ def print_report(rep: dict, out, limit: int = 40):
     if rep.get("widened"):
         cast += (f"; {rep['widened']} of them stored wider by the target, compared bit for bit after the exact "
                  f"widening")
+    if rep.get("fixed"):
+        cast += (f"; {rep['fixed']} of them in a dtype the target fixes (its own parameter's), compared bit for bit "
+                 f"after the same cast its own load makes")
     if rep.get("cast"):
         cast = (f"; {rep['cast']} compared after a cast to the narrower dtype (--allow-cast), "
                 f"{rep['rounded']} of them rounded")
