@@ -8,6 +8,7 @@ requests, 4 files in flight, GNU dd: what the disk gives a streaming copy); ever
     python scripts/bench.py --distributed          # 3 GB: hf2mcore, mcore2hf, verify on 1, 2 and 4 processes
     python scripts/bench.py --fp8                  # FP8 sources: dequant vs bf16 copy, 1 and 3 GB of FP8, RSS
     python scripts/bench.py --fsdp                 # verl FSDP -> HF: fsdp2hf vs verl's merger vs raw copy, RSS
+    python scripts/bench.py --keep-optimizer       # training checkpoint: reshard --keep-optimizer vs raw copy, RSS
 
 ``--procs 1 2 4`` runs every step that can (hf2mcore, mcore2hf, reshard, verify) also under ``torchrun
 --nproc-per-node N`` (ckpt_tools.torchrun: every rank writes its share) and prints each one's time as a
@@ -356,7 +357,15 @@ def main():
                     "raw copy, time and peak RSS (--size-gb: default 2; scripts/bench_fsdp.py)")
     ap.add_argument("--world", type=int, default=2, help="--fsdp: ranks of the synthetic checkpoint (default 2)")
     ap.add_argument("--fp32-source", action="store_true", help="--fsdp: fp32 rank files (verl's master weights)")
+    ap.add_argument("--keep-optimizer", action="store_true", help="a synthetic training checkpoint (weights + "
+                    "fully_sharded_model_space optimizer state, megatron's own save) resharded with reshard --to mcore "
+                    "--keep-optimizer vs the raw copy, time and peak RSS (--size-gb: default 2, about 2.4 GB in all; "
+                    "scripts/bench_optim.py)")
     args = ap.parse_args()
+    if args.keep_optimizer:
+        from bench_optim import bench as optim_bench
+
+        return optim_bench(args)
     if args.fp8:
         return fp8_bench(args)
     if args.fsdp:

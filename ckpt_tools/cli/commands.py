@@ -21,7 +21,7 @@ from ..formats.views import ERRORS, FsdpView, HFView, McoreView, VllmView, forma
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
 from ..torchrun import ranks as distributed
-from ..verify import check_one, inspect_checks, print_notes, print_one, print_report, verify
+from ..verify import check_one, inspect_checks, print_notes, print_one, print_report, verify, verify_optimizer
 
 
 def _prog(args) -> bool:
@@ -285,7 +285,19 @@ def cmd_reshard_vllm(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    mcores = args.mcore or []
+    if len(mcores) > 2 or (len(mcores) == 2 and any(getattr(args, k, None) for k in ("hf", "vllm", "hf2", "fsdp"))):
+        print("ckpt-tools verify: error: --mcore is given once, or twice to compare two Megatron checkpoints (no other side)",
+              file=sys.stderr)
+        return 2
+    if args.optimizer and len(mcores) != 2:
+        print("ckpt-tools verify: error: --optimizer compares two training checkpoints: give --mcore A --mcore B",
+              file=sys.stderr)
+        return 2
+    args.mcore = mcores[0] if mcores else None
     given = [(k, getattr(args, k)) for k in ("hf", "mcore", "vllm", "hf2", "fsdp") if getattr(args, k, None)]
+    if len(mcores) == 2:
+        given.append(("mcore", mcores[1]))
     if len(given) not in (1, 2):
         print("ckpt-tools verify: error: give two of --hf, --mcore, --vllm, --hf2 (compare), or one (check it "
               "alone)", file=sys.stderr)
@@ -336,8 +348,17 @@ def cmd_verify(args) -> int:
         _dump(rep, args.json)
         return 0 if rep["ok"] else 1
     views = [open_side(k, p) for k, p in given]
-    rep = distributed.on_ranks(lambda g: verify(*views, progress=_prog(args), allow_cast=args.allow_cast,
-                                    max_memory=args.max_memory, group=g), args.dist_timeout)
+
+    def both(g):
+        rep = verify(*views, progress=_prog(args), allow_cast=args.allow_cast, max_memory=args.max_memory, group=g)
+        if args.optimizer:
+            o = verify_optimizer(*views, progress=_prog(args), max_memory=args.max_memory, group=g)
+            rep.update(ok=rep["ok"] and o["ok"], compared=rep["compared"] + o["compared"],
+                       mismatched=rep["mismatched"] + o["mismatched"], problems=rep["problems"] + o["problems"],
+                       tensors=rep["tensors"] + o["tensors"], optimizer_compared=o["compared"])
+        return rep
+
+    rep = distributed.on_ranks(both, args.dist_timeout)
     print_report(rep, sys.stdout)
     _dump(rep, args.json)
     return 0 if rep["ok"] else 1

@@ -222,8 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="bitwise tensor-by-tensor equality of two checkpoints (any formats), or "
                                       "one checkpoint alone (structure, coverage, _extra_state, common.pt, checksums)")
     p.add_argument("--hf", default=None, help="HF dir")
-    p.add_argument("--mcore", default=None, help="Megatron dist-checkpoint dir")
+    p.add_argument("--mcore", default=None, action="append",
+                   help="Megatron dist-checkpoint dir (given twice: two Megatron checkpoints, any topologies)")
     p.add_argument("--vllm", default=None, help="vLLM shard dir (from reshard)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="with --mcore A --mcore B (training checkpoints): also compare their optimizer states "
+                        "(fp32_param, exp_avg, exp_avg_sq of every parameter) element by element by parameter "
+                        "coordinate, whatever the two topologies")
     p.add_argument("--hf2", default=None, help="a second HF dir (HF vs HF)")
     p.add_argument("--fsdp", default=None, help="verl FSDP checkpoint dir (global_step_N/actor; its config from "
                                                  "huggingface/ inside it)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 
+from ..copy.fileio import read_rec_box
 from ..copy.plan import Op, Rec, map_sub
 from ..core.lazy import torch
 from ..layout import box_intersect, box_numel, box_shape, box_shift
@@ -174,6 +175,37 @@ class OptimizerSource:
         if len(out) != len(self.rng_objects()):
             raise OptimizerError(f"{self.reader.path}: rng objects listed without stored bytes")
         return sorted(out)
+
+
+class OptimizerView:
+    """One optimizer state of a training checkpoint as a view of HF tensor space (``verify --optimizer``): the HF
+    tensors whose source keys have optimizer state, each element read from the stored DP piece that holds its
+    parameter coordinate (:meth:`OptimizerSource.sources`), float32."""
+
+    kind = "mcore"
+
+    def __init__(self, opt: OptimizerSource, state: str):
+        self.opt, self.state = opt, state
+        v = opt.view
+        self.path, self.cfg = v.path, v.cfg
+        have = {n: opt.has_state(n) for n in v.names()}
+        self.mixed = sorted(n for n, h in have.items() if h is None)  # some of its keys have state, some not
+        self.shapes = {n: v.shapes[n] for n, h in have.items() if h}
+
+    def names(self):
+        return list(self.shapes)
+
+    def dtype_of(self, name: str):
+        return torch.float32
+
+    def read(self, name: str, box=None) -> torch.Tensor:
+        box = tuple(box) if box is not None else tuple((0, n) for n in self.shapes[name])
+        out = torch.full(box_shape(box), float("nan"))  # every element is covered (checked in OptimizerSource)
+        origin = [-b[0] for b in box]
+        for rec, rbox, hsub in self.opt.sources(self.state, name, box):
+            sl = tuple(slice(a, b) for a, b in box_shift(hsub, origin))
+            out[sl] = read_rec_box(rec, rbox).reshape(box_shape(hsub))
+        return out
 
 
 class TrainingDestination(TorchDistDestination):

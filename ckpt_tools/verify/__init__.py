@@ -12,7 +12,7 @@ from .checks import (
     print_one,
     structure_checks,
 )
-from .compare import compare_dtype, equal_bits, print_report, verify, write_json
+from .compare import compare_dtype, equal_bits, print_report, verify, verify_optimizer, write_json
 
 __all__ = ["check_one", "checked_source", "compare_dtype", "equal_bits", "inspect_checks", "missing_manifest",
-           "print_notes", "print_one", "print_report", "structure_checks", "verify", "write_json"]
+           "print_notes", "print_one", "print_report", "structure_checks", "verify", "verify_optimizer", "write_json"]

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from ..copy.plan import row_blocks
 from ..core.lazy import dtype_name, torch
+from ..formats.training import OptimizerSource, OptimizerView
 from ..formats.views import VllmView, exact_widening
 from ..integrity import SourceCheck
 from ..layout import box_shape, box_shift, box_slices, dropped, full_box, numel
@@ -170,6 +171,55 @@ def verify(a, b, progress: bool = True, allow_cast: bool = False, max_memory: in
             "rounded": sum(1 for r in rows if r.get("rounded")),
             "allow_cast": allow_cast, "first": a.kind + ":" + a.path, "second": b.kind + ":" + b.path,
             "tensors": rows}
+
+
+def verify_optimizer(a, b, progress: bool = True, max_memory: int = 1 << 30, group=None) -> dict:
+    """``verify --optimizer``: the optimizer states of two training checkpoints (McoreViews ``a``, ``b``; their
+    topologies may differ) compared element by element by parameter coordinate: every state (fp32_param,
+    exp_avg, exp_avg_sq) of every HF tensor with state, each side read from its stored DP pieces
+    (:class:`~ckpt_tools.formats.training.OptimizerView`), block by block, bit for bit. A report as
+    :func:`verify`'s, rows named ``<state>:<HF tensor>``."""
+    g = group or Solo()
+    sa, sb = OptimizerSource(a), OptimizerSource(b)
+    problems = []
+    if set(sa.states) != set(sb.states):
+        problems.append(f"optimizer states differ: {sorted(sa.states)} vs {sorted(sb.states)}")
+    tasks = []
+    for state in [s for s in sa.states if s in sb.states]:
+        va, vb = OptimizerView(sa, state), OptimizerView(sb, state)
+        for v in (va, vb):
+            if v.mixed:
+                problems.append(f"{v.path}: {state}: {v.mixed[0]} is made of keys of which only some have state")
+        for n in va.names():
+            what = f"{state}:{n}"
+            if n not in vb.shapes:
+                tasks.append((what, 0, functools.partial(dict, tensor=what, equal=False,
+                                                         why="no optimizer state on the second side")))
+            else:
+                tasks.append((what, numel(va.shapes[n]), functools.partial(_opt_row, va, vb, n, max_memory)))
+        for n in vb.names():
+            if n not in va.shapes:
+                what = f"{state}:{n}"
+                tasks.append((what, 0, functools.partial(dict, tensor=what, equal=False,
+                                                         why="no optimizer state on the first side")))
+    owner = divide([(what, size) for what, size, _ in tasks], g.world)
+    mine = [i for i, r in enumerate(owner) if r == g.rank]
+    done = {i: tasks[i][2]() for i in tqdm(mine, desc="verify optimizer", disable=not progress or not g.lead_rank)}
+    if g.world > 1:
+        parts = g.gather({"rows": done}, "the end of the optimizer comparison")
+        done = {int(i): row for p in parts for i, row in p["rows"].items()}
+    rows = [done[i] for i in range(len(tasks))]
+    if not rows:
+        problems.append("0 optimizer tensors compared: nothing was checked")
+    bad = [r for r in rows if not r["equal"]]
+    return {"ok": not bad and not problems, "compared": len(rows), "mismatched": len(bad), "problems": problems,
+            "tensors": rows}
+
+
+def _opt_row(va, vb, n, max_memory) -> dict:
+    row = _row(va, vb, n, False, max_memory)
+    row["tensor"] = f"{va.state}:{n}"
+    return row
 
 
 def _vllm_row(vl, other, r, n, ts, allow_cast, max_memory) -> dict:
