@@ -191,6 +191,7 @@ def test_rank_and_world_size_out_of_range_are_refused(capsys, monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("argv,flag", [(["inspect", ""], "PATH"), (["verify", "--mcore", ""], "--mcore"),
+                                       (["verify", "--mcore", "a", "--mcore", " ", "--optimizer"], "--mcore"),
                                        (["mcore2hf", "--mcore", "", "--out", "o"], "--mcore"),
                                        (["plan", "--config", " "], "--config"),
                                        (["verify", "--hf", "h", "--hf-config", ""], "--hf-config"),

@@ -101,8 +101,9 @@ def empty_path(args) -> str | None:
     """The first path argument given as an empty string (or only blanks), by its flag; None when there is none."""
     for dest, flag in PATH_ARGS.items():
         v = getattr(args, dest, None)
-        if isinstance(v, str) and not v.strip():
-            return flag
+        for one in v if isinstance(v, list) else [v]:  # a list: a flag given more than once (verify --mcore A --mcore B)
+            if isinstance(one, str) and not one.strip():
+                return flag
     return None
 
 
