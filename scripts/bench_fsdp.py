@@ -20,13 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VERL = ("import sys, transformers\n"
-        "if not hasattr(transformers, 'AutoModelForVision2Seq'):\n"
-        "    transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText\n"
-        "from verl.model_merger.base_model_merger import ModelMergerConfig\n"
-        "from verl.model_merger.fsdp_model_merger import FSDPModelMerger\n"
-        "FSDPModelMerger(ModelMergerConfig(operation='merge', backend='fsdp', local_dir=sys.argv[1], "
-        "target_dir=sys.argv[2], hf_model_config_path=sys.argv[1] + '/huggingface')).merge_and_save()\n")
+from ckpt_tools.testing.verl_merger import merge_command  # noqa: E402 - after the path
 
 
 def dense_config(gb: float) -> dict:
@@ -92,7 +86,7 @@ def bench(args):
     steps = {
         RAW: lambda o: raw_copy_cmd(src, o),
         "ckpt-tools fsdp2hf": lambda o: tool + ["fsdp2hf", "--fsdp", src, "--out", o, "--dtype", "bf16"] + io,
-        "verl model_merger": lambda o: [sys.executable, "-c", VERL, src, o],
+        "verl model_merger": lambda o: merge_command(src, o),
     }
     rows = []
     for rep in range(args.repeats):

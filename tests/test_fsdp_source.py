@@ -26,6 +26,7 @@ from ckpt_tools.cli import main
 from ckpt_tools.formats.fsdp import FsdpCheckpoint, FsdpError
 from ckpt_tools.formats.safe_pickle import UnsafePickleError
 from ckpt_tools.testing.synth import make_tiny_hf
+from ckpt_tools.testing.verl_merger import merge_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IDS = [[3, 17, 42, 9, 100, 5, 77, 1]]  # tests/fsdp_worker.py IDS
@@ -116,14 +117,7 @@ def _logits(hf_dir: str, dtype=torch.float32, adapter: str | None = None):
 def _verl_merge(src: str, out: str):
     """verl 0.5.0's own merger (python -m verl.model_merger merge --backend fsdp), in a subprocess with the one shim
     it needs here: transformers 5.x has no AutoModelForVision2Seq, which verl's base_model_merger imports."""
-    code = ("import sys, transformers\n"
-            "if not hasattr(transformers, 'AutoModelForVision2Seq'):\n"
-            "    transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText\n"
-            "from verl.model_merger.base_model_merger import ModelMergerConfig\n"
-            "from verl.model_merger.fsdp_model_merger import FSDPModelMerger\n"
-            "FSDPModelMerger(ModelMergerConfig(operation='merge', backend='fsdp', local_dir=sys.argv[1], "
-            "target_dir=sys.argv[2], hf_model_config_path=sys.argv[1] + '/huggingface')).merge_and_save()\n")
-    r = subprocess.run([sys.executable, "-c", code, src, out], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(merge_command(src, out), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
