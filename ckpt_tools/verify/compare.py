@@ -64,9 +64,9 @@ class _Cmp:
     (bf16 / fp16 -> fp32), the narrower side is widened - exactly - and the two compared bit for bit: equal, as
     "widened to the target's float32"; a value the narrower dtype does not hold is a difference. ``fixed``: the
     dtype the target's layout fixes for this tensor whatever the source's (a vLLM version's own parameter dtype,
-    ``vllm_dtype_at``: vLLM 0.10.1 holds DeepSeek's router bias in the model's bf16): there the other side is cast
-    to it as the target's own load casts it, and the two compared bit for bit ("cast to the target's fixed
-    bfloat16"). Any other dtype difference is a cast (a difference unless --allow-cast, then compared in the
+    a row's ``vllm_dtype_at`` in converters/, e.g. a router bias vLLM 0.10.1 keeps in the model's bf16): there
+    the other side is cast to it as the target's own load casts it, and the two compared bit for bit ("cast to
+    the target's fixed bfloat16"). Any other dtype difference is a cast (a difference unless --allow-cast, then compared in the
     narrower dtype)."""
 
     def __init__(self, da, db, allow_cast, kinds=("hf", "hf"), fixed=None):
