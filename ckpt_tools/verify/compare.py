@@ -66,8 +66,8 @@ class _Cmp:
     dtype the target's layout fixes for this tensor whatever the source's (a vLLM version's own parameter dtype,
     a row's ``vllm_dtype_at`` in converters/, e.g. a router bias vLLM 0.10.1 keeps in the model's bf16): there
     the other side is cast to it as the target's own load casts it, and the two compared bit for bit ("cast to
-    the target's fixed bfloat16"). Any other dtype difference is a cast (a difference unless --allow-cast, then compared in the
-    narrower dtype)."""
+    the target's fixed bfloat16"). Any other dtype difference is a cast (a difference unless --allow-cast, then
+    compared in the narrower dtype)."""
 
     def __init__(self, da, db, allow_cast, kinds=("hf", "hf"), fixed=None):
         self.da, self.db = da, db
