@@ -10,8 +10,9 @@ python tests/optim_worker.py '<json>' with keys:
          (verl/utils/checkpoint/megatron_checkpoint_manager.py ``generate_state_dict``: model, optimizer =
          ``optimizer.sharded_state_dict(model)`` with megatron's default sharding, lr_scheduler, rng_state as
          verl's ``get_rng_state`` builds it) through megatron's own ``dist_checkpointing.save``
-  own_load: first try megatron's own load of this checkpoint (its load-time reshard; verl's strictness
-        ASSUME_OK_UNEXPECTED): the outcome in the result, the optimizer pieces in ``own_{rank}.pt``
+  own_load: a list of checkpoints megatron's own load then tries, each in turn after the rest (its load-time
+        reshard; verl's strictness ASSUME_OK_UNEXPECTED): the outcomes in the result's "own", the optimizer pieces
+        of the i-th in ``own{i}_{rank}.pt``
   after: steps after the save (A's continuation)
   dump: a dir for every optimizer state piece of this rank (key, global shape, global offset, local shape, flat
         range, values) after the load (``loaded_{rank}.pt``) and at the end (``stepped_{rank}.pt``)
@@ -189,16 +190,18 @@ def run(rank, world, a):
         for s in range(sched.num_steps, sched.num_steps + a["after"]):
             train(s)
         res["lr"] = opt.param_groups[0]["lr"]
-    if a.get("dump"):
+    if a.get("dump") and (a.get("load") or a.get("steps")):  # (a fresh optimizer has no state to dump)
         torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"stepped_{rank}.pt"))
-    if a.get("own_load"):  # then megatron's own load-time reshard of another topology's checkpoint (verl's
-        # strictness), last: a second load would move the lr scheduler again (load_state_dict steps it)
+    # then megatron's own load-time reshard of other checkpoints (verl's strictness), last: a second load would move
+    # the lr scheduler again (load_state_dict steps it); a load that raises has changed nothing
+    res["own"] = []
+    for i, path in enumerate(a.get("own_load") or []):
         try:
-            load(a["own_load"], StrictHandling.ASSUME_OK_UNEXPECTED)
-            res["own"] = "loaded"
-            torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"own_{rank}.pt"))
+            load(path, StrictHandling.ASSUME_OK_UNEXPECTED)
+            res["own"].append("loaded")
+            torch.save(pieces(state_dict(True)["optimizer"]), os.path.join(a["dump"], f"own{i}_{rank}.pt"))
         except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-            res["own"] = f"{type(e).__name__}: {e}"[:1500]
+            res["own"].append(f"{type(e).__name__}: {e}"[-20000:])
     with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.barrier()

@@ -208,9 +208,13 @@ def cmd_mcore2hf(args) -> int:
     r = convert.mcore2hf(args.mcore, args.out, hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
                          max_memory=args.max_memory, direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
+                         optimizer_out=args.optimizer_out)
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
           f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
+    for state, o in r.get("optimizer", {}).items():
+        print(f"wrote {o['out']}: {state} of {o['tensors']} tensors, {fmt_bytes(o['bytes'])} (float32) in "
+              f"{o['shards']} shards")
     return 0
 
 

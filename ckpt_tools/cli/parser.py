@@ -139,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default=None, help="key prefix of the model tensors (default: auto-detect)")
     p.add_argument("--workers", type=COUNT, default=2, help="parallel shard writers (default 2)")
     p.add_argument("--max-memory", type=SIZE, default="4GiB", help="bound on buffers + chunk cache (default 4GiB)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--optimizer-out", default=None, metavar="DIR",
+                   help="a training checkpoint's distributed-optimizer state too (megatron-core's default "
+                        "fully_sharded_model_space): DIR/<state> for fp32_param, exp_avg, exp_avg_sq, each an HF dir "
+                        "of float32 tensors under the weights' HF names (config.json beside: loadable as a model)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (and --optimizer-out's dirs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_io(p)
     _add_mtp(p)

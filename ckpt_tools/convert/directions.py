@@ -16,7 +16,7 @@ from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
 from ..formats.lora import cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
-from ..formats.training import OptimizerSource, TrainingDestination
+from ..formats.training import OptimizerSource, OptimizerView, TrainingDestination
 from ..formats.views import FormatError, FsdpView, HFView, McoreView, exact_widening, open_view, widest
 from ..formats.vllm_format import VllmDestination
 from ..layout import (
@@ -30,6 +30,7 @@ from ..layout import (
     vllm_parallel,
 )
 from ..layout.model_config import load_config
+from ..layout.optimizer import STATES
 from ..output.stage import Output
 from .driver import Job, Options, convert
 
@@ -214,7 +215,10 @@ def _side_dir(cfg_path: str) -> str:
 
 def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
              overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8,
-             dist_timeout=None, divide="files", no_mtp=False) -> dict:
+             dist_timeout=None, divide="files", no_mtp=False, optimizer_out=None) -> dict:
+    """A torch_dist checkpoint -> HF safetensors (model weights only). ``optimizer_out``: also each optimizer state
+    of a training checkpoint (fp32_param, exp_avg, exp_avg_sq) as an HF dir ``optimizer_out/<state>`` of float32
+    tensors under the weights' HF names (:func:`_optimizer_to_hf`)."""
     if not hf_config:
         raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
@@ -225,16 +229,65 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     dt = _dtype(dtype, None)  # None: each tensor in its source's dtype (the dtype rule: McoreView.source_dtype)
     dts = {}
 
+    def open_src():
+        return McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache)
+
+    state_outs = _optimizer_outputs(optimizer_out, open_src, overwrite, {**inputs, "--out": out}) \
+        if optimizer_out is not None else {}
+
     def destination(view):
         dts.update((n, dt or view.source_dtype(n)) for n in view.names())
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size,
                              functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw, cfg.config_edits())
 
-    view, _, res = convert(Job(output, "mcore2hf", mcore,
-                               lambda: McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache), destination),
-                           opts, FormatError)
+    view, _, res = convert(Job(output, "mcore2hf", mcore, open_src, destination), opts, FormatError)
     res.update(spec=view.spec, prefix=view.ckpt.prefix, dtype="+".join(sorted(set(map(str, dts.values())))))
+    if state_outs:
+        res["optimizer"] = {state: _optimizer_to_hf(o, state, open_src, max_shard_size, hf_config, cfg, opts)
+                            for state, o in state_outs.items()}
     return res
+
+
+def _optimizer_outputs(optimizer_out: str, open_src, overwrite: bool, inputs: dict) -> dict:
+    """``--optimizer-out DIR``: {state: the :class:`Output` ``DIR/<state>``}, every one checked (and the source's
+    optimizer state found) before any work; DIR is created only then."""
+    if not str(optimizer_out).strip():
+        raise FormatError("--optimizer-out is empty: give the output directory")
+    d = optimizer_out.rstrip("/") or "/"
+    if os.path.islink(d) or (os.path.exists(d) and not os.path.isdir(d)):
+        raise FormatError(f"--optimizer-out {d} exists and is not a directory")
+
+    def output(path):
+        return Output(path, "hf", overwrite, inputs, FormatError, flag="--optimizer-out")
+
+    for o in [output(os.path.join(d, s)) for s in STATES] if os.path.isdir(d) else [output(d)]:
+        o.check()  # (a new DIR: checked as a whole, its state dirs cannot meet an input)
+    states = OptimizerSource(open_src(), "--optimizer-out").states  # one line if the source holds none
+    outs = {s: output(os.path.join(d, s)) for s in states}
+    os.makedirs(d, exist_ok=True)
+    for o in outs.values():
+        o.check()
+    return outs
+
+
+def _optimizer_to_hf(output: Output, state: str, open_src, max_shard_size, hf_config, cfg, opts) -> dict:
+    """One optimizer state of a training checkpoint -> HF safetensors under the weights' names, float32, through
+    the same driver and engine as the weights: the state's pieces by parameter coordinate
+    (:class:`~ckpt_tools.formats.training.OptimizerView`), so the layout math is the weights' own. The source's
+    integrity gate ran for the weights' job (its structure and manifest sizes); these bytes are read unchecked."""
+    def open_state():
+        ov = OptimizerView(OptimizerSource(open_src(), "--optimizer-out"), state)
+        if ov.mixed:
+            raise FormatError(f"--optimizer-out: {ov.mixed[0]} is made of Megatron tensors of which only some have "
+                              f"optimizer state")
+        return ov
+
+    def destination(ov):
+        return HFDestination([(n, ov.shapes[n], torch.float32) for n in ov.names()], max_shard_size,
+                             functools.partial(_hf_ops, ov), _side_dir(hf_config), cfg.raw, cfg.config_edits())
+
+    _, _, res = convert(Job(output, f"mcore2hf {state}", None, open_state, destination), opts, FormatError)
+    return {k: res[k] for k in ("out", "tensors", "bytes", "shards") if k in res}
 
 
 def open_source(path: str, hf_config: str | None, prefix=None, no_mtp=False):

@@ -54,16 +54,17 @@ def sharding_type(reader) -> str | None:
 
 class OptimizerSource:
     """The optimizer state of the checkpoint a :class:`~ckpt_tools.formats.views.McoreView` reads, per state and
-    model key; :meth:`sources` is ``McoreView.sources`` for one state."""
+    model key; :meth:`sources` is ``McoreView.sources`` for one state. ``flag``: the option asking for it, in
+    messages."""
 
-    def __init__(self, view):
+    def __init__(self, view, flag: str = "--keep-optimizer"):
         self.view, self.reader = view, view.ckpt
         path = view.path
         kind = sharding_type(self.reader)
         if kind is None:
-            raise OptimizerError(f"--keep-optimizer: {path} holds no optimizer state (a model-only checkpoint)")
+            raise OptimizerError(f"{flag}: {path} holds no optimizer state (a model-only checkpoint)")
         if kind != "fully_sharded_model_space":
-            raise OptimizerError(f"--keep-optimizer: {path} holds optimizer state of sharding type {kind}: per-DP-group "
+            raise OptimizerError(f"{flag}: {path} holds optimizer state of sharding type {kind}: per-DP-group "
                                  f"buffers of the saving job, not resharded (save with megatron-core's default "
                                  f"fully_sharded_model_space)")
         mcore = getattr(self.reader.md, "mcore_data", None) or {}
@@ -178,9 +179,9 @@ class OptimizerSource:
 
 
 class OptimizerView:
-    """One optimizer state of a training checkpoint as a view of HF tensor space (``verify --optimizer``): the HF
-    tensors whose source keys have optimizer state, each element read from the stored DP piece that holds its
-    parameter coordinate (:meth:`OptimizerSource.sources`), float32."""
+    """One optimizer state of a training checkpoint as a view of HF tensor space (``verify --optimizer``, mcore2hf
+    ``--optimizer-out``): the HF tensors whose source keys have optimizer state, each element read from the stored
+    DP piece that holds its parameter coordinate (:meth:`OptimizerSource.sources`), float32."""
 
     kind = "mcore"
 
@@ -197,6 +198,10 @@ class OptimizerView:
 
     def dtype_of(self, name: str):
         return torch.float32
+
+    def sources(self, name: str, box):
+        """``McoreView.sources`` for this state (mcore2hf ``--optimizer-out``)."""
+        return self.opt.sources(self.state, name, box)
 
     def read(self, name: str, box=None) -> torch.Tensor:
         box = tuple(box) if box is not None else tuple((0, n) for n in self.shapes[name])

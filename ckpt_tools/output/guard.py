@@ -40,7 +40,7 @@ def _inside(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
 
 
-def _check_name(out: str, error):
+def _check_name(out: str, error, flag: str = "--out"):
     """A name the file system can hold, with the suffixes we add beside it (``.partial-PID.N``,
     ``.conflict-PID.N``, ``.lock``): said as such, not as a missing parent."""
     parent = os.path.dirname(os.path.abspath(out)) or "/"
@@ -56,63 +56,63 @@ def _check_name(out: str, error):
     if long or len(parts[-1]) + extra > name_max:
         n = len(long[0]) if long else len(parts[-1])
         limit = name_max if long else name_max - extra
-        raise error(f"--out {show(out)}: name too long ({n} bytes in one path component; at most {limit}"
+        raise error(f"{flag} {show(out)}: name too long ({n} bytes in one path component; at most {limit}"
                     + ("" if long else f": ckpt-tools adds up to {extra} bytes beside it, e.g. .partial-PID") + ")")
     if max(len(raw), len(os.fsencode(os.path.abspath(out)))) + extra >= path_max:
-        raise error(f"--out {show(out)}: path too long ({len(raw)} bytes; at most {path_max - extra - 1} "
+        raise error(f"{flag} {show(out)}: path too long ({len(raw)} bytes; at most {path_max - extra - 1} "
                     f"with the suffixes ckpt-tools adds)")
 
 
 def check_out(output):
     """Refuse a dangerous or unusable ``--out`` before any work (see :mod:`ckpt_tools.output`): ``output`` is the
     :class:`~ckpt_tools.output.stage.Output` (its path, kind, overwrite rule, inputs and error class)."""
-    out, error = output.path, output.error
+    out, error, flag = output.path, output.error, output.flag
     if out is None or not str(out).strip():
-        raise error("--out is empty: give the output directory")
+        raise error(f"{flag} is empty: give the output directory")
     out = strip_out(out)
-    _check_name(out, error)
+    _check_name(out, error, flag)
     if os.path.islink(out):
-        raise error(f"--out {show(out)} is a symlink; give a real directory path (it is not followed)")
+        raise error(f"{flag} {show(out)} is a symlink; give a real directory path (it is not followed)")
     if os.path.exists(out) and not os.path.isdir(out):
-        raise error(f"--out {show(out)} exists and is not a directory")
+        raise error(f"{flag} {show(out)} exists and is not a directory")
     rout = os.path.realpath(out)
     parent = os.path.dirname(rout)
     if not os.path.isdir(parent):
-        raise error(f"--out {show(out)}: parent directory {show(parent)} does not exist")
+        raise error(f"{flag} {show(out)}: parent directory {show(parent)} does not exist")
     if os.path.basename(os.path.abspath(out)) in (".", "..") or _inside(os.path.realpath(os.getcwd()), rout):
-        raise error(f"--out {show(out)} is the current directory or one above it; give a new directory")
-    for flag, p in output.inputs.items():
+        raise error(f"{flag} {show(out)} is the current directory or one above it; give a new directory")
+    for given, p in output.inputs.items():
         if not p:
             continue
         rin = os.path.realpath(p)
         if os.path.isfile(rin):
             rin = os.path.dirname(rin)  # e.g. --hf-config DIR/config.json: its directory is read
         if rin == rout:
-            raise error(f"--out {show(out)} is the same directory as {flag} {show(p)}; refusing to write over an input")
+            raise error(f"{flag} {show(out)} is the same directory as {given} {show(p)}; refusing to write over an input")
         if _inside(rin, rout):
-            raise error(f"--out {show(out)} contains {flag} {show(p)}; refusing (replacing it would delete the input)")
+            raise error(f"{flag} {show(out)} contains {given} {show(p)}; refusing (replacing it would delete the input)")
         if _inside(rout, rin):
-            raise error(f"--out {show(out)} is inside {flag} {show(p)}; write the output outside the input directory")
+            raise error(f"{flag} {show(out)} is inside {given} {show(p)}; write the output outside the input directory")
     if os.path.isdir(out):
         if not output.overwrite:
-            raise error(f"--out {show(out)} exists; pass --overwrite to replace it")
+            raise error(f"{flag} {show(out)} exists; pass --overwrite to replace it")
         check_replaceable(output)
 
 
 def check_replaceable(output):
     """An existing OUT that ``--overwrite`` may replace: a directory holding a checkpoint of ``output``'s kind (or
     nothing) and no file we would not write; checked again just before it is moved aside."""
-    out, kind, error = output.dir, output.kind, output.error
+    out, kind, error, flag = output.dir, output.kind, output.error, output.flag
     if os.path.islink(out) or not os.path.isdir(out):
-        raise error(f"--out {show(out)} is not a directory; refusing to replace it")
+        raise error(f"{flag} {show(out)} is not a directory; refusing to replace it")
     names = os.listdir(out)
     if names and not _is_kind(out, kind):
-        raise error(f"--out {show(out)} exists and is not a {KIND_NAMES.get(kind, kind)} checkpoint (it holds "
+        raise error(f"{flag} {show(out)} exists and is not a {KIND_NAMES.get(kind, kind)} checkpoint (it holds "
                     f"{show(sorted(names)[0])!r}, ...); --overwrite replaces only a checkpoint of the kind being written")
     bad = foreign_files(out, kind)
     if bad:
         more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise error(f"--out {show(out)} holds files ckpt-tools did not write: {', '.join(map(show, bad[:3]))}{more}; "
+        raise error(f"{flag} {show(out)} holds files ckpt-tools did not write: {', '.join(map(show, bad[:3]))}{more}; "
                     f"--overwrite would delete them: move them out first")
 
 

@@ -108,11 +108,12 @@ class Output:
     :meth:`stage` (lock, stale cleanup, ``OUT.partial-PID/<name>`` to write in), then :meth:`publish` or
     :meth:`discard` (each releases the lock). ``path`` is ``--out`` as given (messages, summaries), ``dir`` the
     directory it names (no trailing slash: the name our suffixes are added to); ``error``: the exception class
-    for a refused ``--out``."""
+    for a refused ``--out``; ``flag``: the option that named it (``--out``, ``--optimizer-out``), in messages."""
 
     def __init__(self, path: str, kind: str = "", overwrite: bool = False, inputs: dict | None = None,
-                 error=OutError):
+                 error=OutError, flag: str = "--out"):
         self.path, self.kind, self.overwrite, self.inputs, self.error = path, kind, overwrite, inputs or {}, error
+        self.flag = flag  # the option that named it, in every message
         self.dir = strip_out(path) if isinstance(path, str) else path  # (check() refuses an empty or missing one)
         self.lock: Lock | None = None  # while staged: OUT.lock, held
         self.own: str | None = None  # while staged: our OUT.partial-PID (our ownership record inside)
@@ -205,9 +206,9 @@ class Output:
                 _rename_noreplace(self.tmp, kept)
             except FileExistsError:
                 continue
-            raise self.error(f"--out {show(out)} appeared while this run was writing (another process?); it was not "
+            raise self.error(f"{self.flag} {show(out)} appeared while this run was writing (another process?); it was not "
                              f"replaced; the new output is at {show(kept)}")
-        raise self.error(f"--out {show(out)} appeared while this run was writing; {base}.N all exist")
+        raise self.error(f"{self.flag} {show(out)} appeared while this run was writing; {base}.N all exist")
 
 
 _RENAME_NOREPLACE = 1
