@@ -333,6 +333,35 @@ def test_optimizer_out_writes_each_state_under_the_hf_names(judged):
             assert torch.equal(back[k], saved[(state, k)]), f"{state} {k}"
 
 
+def test_keep_optimizer_and_optimizer_out_under_torchrun_equal_one_process(judged, tmp_path):
+    """``reshard --keep-optimizer`` and ``mcore2hf --optimizer-out`` of A on 2 torchrun ranks (each writes its share
+    of the files) write the bytes one process writes, every file."""
+    from ckpt_tools.cli import main
+    from test_distributed import _torchrun
+    from test_trust_fs import _tree
+
+    a, hf = judged["a_dir"], judged["hf"]
+    quiet = ["--no-progress", "--dist-timeout", "120"]
+
+    def cmds(tag):
+        o = {k: str(tmp_path / f"{tag}_{k}") for k in ("mc", "hf", "opt")}
+        return o, [reshard_cmd(a, o["mc"], hf, "local", **judged["case"]["b"])[3:] + quiet,
+                   ["mcore2hf", "--mcore", a, "--hf-config", hf, "--out", o["hf"], "--optimizer-out", o["opt"],
+                    "--max-shard-size", "1MB", *quiet]]
+
+    one, c1 = cmds("one")
+    for c in c1:
+        assert main(c) == 0, c
+    two, c2 = cmds("two")
+    codes, p = _torchrun(tmp_path, c2, n=2)
+    assert all(c == [0, 0] for c in codes.values()), (codes, p.stderr[-4000:])
+    for k in one:
+        x, y = _tree(one[k]), _tree(two[k])
+        assert sorted(x) == sorted(y) and len(x) > 3, k
+        for rel in x:
+            assert x[rel] == y[rel], f"{k}: {rel} differs from the one-process output"
+
+
 def _rng_bytes(d):
     from ckpt_tools.formats.torch_dist_reader import TorchDistReader
 
