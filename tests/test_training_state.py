@@ -362,6 +362,48 @@ def test_keep_optimizer_and_optimizer_out_under_torchrun_equal_one_process(judge
             assert x[rel] == y[rel], f"{k}: {rel} differs from the one-process output"
 
 
+def _with_prefix(src: str, dst: str, prefix: str):
+    """A copy of the training checkpoint ``src`` whose model keys, and so its optimizer keys, carry ``prefix`` (a
+    state dict nested under a key, as a wrapper's sharded_state_dict names it): only .metadata differs."""
+    import pickle
+    import shutil
+
+    from ckpt_tools.layout.optimizer import parse_key
+
+    shutil.copytree(src, dst)
+    if os.path.exists(os.path.join(dst, "ckpt_tools.manifest.json")):  # (ours; .metadata is edited)
+        os.remove(os.path.join(dst, "ckpt_tools.manifest.json"))
+    md = pickle.load(open(os.path.join(dst, ".metadata"), "rb"))
+
+    def new(k):
+        p = parse_key(k)
+        if p:
+            chain, state, mkey = p
+            return k[:len(k) - len(mkey)] + prefix + mkey
+        return k if k.startswith("rng_state") else prefix + k
+
+    md.state_dict_metadata = {new(k): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {type(mi)(new(mi.fqn), mi.offset, mi.index): v for mi, v in md.storage_data.items()}
+    md.mcore_data = {new(k): v for k, v in (md.mcore_data or {}).items()}
+    pickle.dump(md, open(os.path.join(dst, ".metadata"), "wb"))
+
+
+def test_a_key_prefix_is_read_and_removed(judged, tmp_path):
+    """A training checkpoint whose keys carry a prefix reshards to the bytes of the unprefixed one's reshard:
+    weights and every optimizer state (verify --optimizer: equal by parameter coordinate, B has no prefix)."""
+    pre = str(tmp_path / "prefixed")
+    _with_prefix(judged["a_dir"], pre, "model.")
+    out = str(tmp_path / "from_prefixed")
+    p = subprocess.run(reshard_cmd(pre, out, judged["hf"], "local", **judged["case"]["b"]), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "source prefix 'model.' removed" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "ckpt_tools.cli", "verify", "--hf-config", judged["hf"], "--no-progress",
+                        "--mcore", judged["hops"][-1], "--mcore", out, "--optimizer"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr
+
+
 def _rng_bytes(d):
     from ckpt_tools.formats.torch_dist_reader import TorchDistReader
 
