@@ -35,71 +35,13 @@ TOPO_A = ["--pp", "2", "--tp", "2", "--ep", "2"]
 TOPO_B = ["--pp", "1", "--tp", "1", "--ep", "4"]
 
 
-def _save(rank: int, world: int, a: dict):
-    """One gloo rank of a DP world: megatron's dist_checkpointing.save of weights (rank 0) + this DP rank's piece of
-    the fully_sharded_model_space optimizer state at the chunks of the model-only checkpoint ``a['layout']`` (one
-    rank per DP piece: strategies/torch.py ``sharded_tensor_to_torch_sharded_tensor`` takes one flat range of a
-    chunk per rank)."""
-    import math
-
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from ckpt_tools import _mcore_cpu
-
-    _mcore_cpu.apply()  # megatron's save on CPU: torch.cuda.synchronize, torch >= 2.8's _write_item argument
-    if not hasattr(np, "product"):  # megatron-core 0.12.1 validation.py calls np.product (gone in numpy 2)
-        np.product = np.prod
-    dist.init_process_group("gloo")
-    md = FileSystemReader(a["layout"]).read_metadata()
-    g = torch.Generator().manual_seed(rank)
-    sd, opt = {}, {}
-    for key, tm in sorted(md.state_dict_metadata.items()):
-        if not isinstance(tm, TensorStorageMetadata):  # an _extra_state object: kept (the loader check wants it)
-            if rank == 0:
-                k, shard = key.rsplit("/shard_", 1)
-                off, shp = (tuple(int(x) for x in part.split(".")) for part in shard.split("_"))
-                sd[f"x/{key}"] = ShardedObject(k, None, shp, off)  # mapping.py ShardedObject.unique_key's form
-            continue
-        gshape = tuple(tm.size)
-        chain = 1 if ".experts." in key else 0  # get_megatron_optimizer: dense and expert optimizers, chained
-        for ci, ch in enumerate(tm.chunks):
-            off, loc = tuple(ch.offsets), tuple(ch.sizes)
-            frag = tuple(gs // ls for gs, ls in zip(gshape, loc))
-            if rank == 0:
-                w = torch.randn(loc, generator=g).to(tm.properties.dtype)
-                sd[f"w/{key}/{ci}"] = ShardedTensor(key, w, w.dtype, loc, gshape, off, frag)
-            n = math.prod(loc)
-            cuts = [n * i * 7 // (13 * world) if 0 < i < world else n * i // world for i in range(world + 1)]
-            s, e = cuts[rank], cuts[rank + 1]  # uneven DP pieces of the chunk's flat view (bucket-aligned in a job)
-            if e > s:
-                for state in ("fp32_param", "exp_avg", "exp_avg_sq"):
-                    data = torch.randn(e - s, generator=g).abs() if state == "exp_avg_sq" else torch.randn(e - s, generator=g)
-                    sd[f"o/{state}/{key}/{ci}"] = ShardedTensor(
-                        f"chained_{chain}.optimizer.state.{state}.{key}", data, torch.float32, loc, gshape, off, frag,
-                        flattened_range=slice(s, e))
-    for chain in (0, 1):
-        opt[chain] = {"optimizer": {"param_groups": [{"lr": 1e-5, "step": 100, "weight_decay": 0.1,
-                                                      "betas": (0.9, 0.95), "eps": 1e-8}]},
-                      "param_state_sharding_type": "fully_sharded_model_space"}
-    sd["optimizer"] = opt
-    sd["lr_scheduler"] = {"num_steps": 100, "max_lr": 1e-5}
-    os.makedirs(a["out"], exist_ok=True)
-    dist_checkpointing.save(sd, a["out"])
-    dist.destroy_process_group()
-
-
 def make_checkpoint(root: str, gb: float, workers: int = 2, dp: int = 2) -> tuple[str, str]:
     """(training checkpoint dir, HF config dir) of ~``gb`` GB in all, made once and reused."""
     from bench import config_for_gb
 
     from ckpt_tools.testing import spawn_ranks
     from ckpt_tools.testing.synth import make_synthetic_hf
+    from ckpt_tools.testing.training import save_training_state
 
     hf, layout, ck = (os.path.join(root, n) for n in ("hf", "layout", "ckpt"))
     if os.path.isfile(os.path.join(ck, ".metadata")):
@@ -111,7 +53,7 @@ def make_checkpoint(root: str, gb: float, workers: int = 2, dp: int = 2) -> tupl
     make_synthetic_hf(hf, cfg, progress=False)
     subprocess.run([sys.executable, "-m", "ckpt_tools.cli", "hf2mcore", "--hf", hf, "--out", layout, "--no-progress",
                     "--workers", str(workers), "--spec", "local"] + TOPO_A, check=True)
-    problem = spawn_ranks(_save, {"world": dp, "layout": layout, "out": ck})
+    problem = spawn_ranks(save_training_state, {"world": dp, "layout": layout, "out": ck})
     if problem:
         raise SystemExit(problem)
     shutil.rmtree(layout, ignore_errors=True)

@@ -362,6 +362,56 @@ def test_keep_optimizer_and_optimizer_out_under_torchrun_equal_one_process(judge
             assert x[rel] == y[rel], f"{k}: {rel} differs from the one-process output"
 
 
+# ------------------------------------------------------------------- every MoE family's shapes (synthetic state)
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_every_moe_familys_optimizer_state_reshards_exactly(family, tmp_path):
+    """The MoE shapes the megatron judge above does not train: Qwen3-MoE (qk norms), GLM-4.5 (shared experts, the
+    router's fp32 expert-bias buffer, dense first layer, an MTP layer), DeepSeek-V3 (MLA, shared experts, bias,
+    two dense layers, an MTP layer). A training checkpoint at PP2 x TP2 x EP2 (local) saved by megatron's own
+    dist_checkpointing.save from a DP2 world (random states, uneven DP pieces: testing.save_training_state) ->
+    ``reshard --keep-optimizer`` to MindSpeed's key set at PP2 (3 / 4 layers, MTP last) x TP1 x EP4: every state of
+    every parameter equal by parameter coordinate (``verify --optimizer``), the buffer without state on both sides,
+    the dense / expert optimizers chained as megatron chains them."""
+    import json
+
+    from ckpt_tools.formats.torch_dist_reader import TorchDistReader
+    from ckpt_tools.layout.optimizer import parse_key
+    from ckpt_tools.testing import spawn_ranks
+    from ckpt_tools.testing.synth import make_tiny_hf
+    from ckpt_tools.testing.training import save_training_state
+    from test_families import MTP, add_mtp
+
+    hf, layout, a, b = (str(tmp_path / n) for n in ("hf", "layout", "A", "B"))
+    make_tiny_hf(hf, model_type=family, seed=3, dtype=torch.bfloat16)
+    if family in MTP:
+        add_mtp(hf, MTP[family], copies=family == "deepseek_v3")
+    cli = [sys.executable, "-m", "ckpt_tools.cli"]
+    p = subprocess.run(cli + ["hf2mcore", "--hf", hf, "--out", layout, "--pp", "2", "--tp", "2", "--ep", "2",
+                              "--spec", "local", "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert not spawn_ranks(save_training_state, {"world": 2, "layout": layout, "out": a})
+    p = subprocess.run(reshard_cmd(a, b, hf, "mindspeed", tp=1, pp=2, ep=4, first=3), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    keys = {}
+    for d in (a, b):
+        r = TorchDistReader(d)
+        keys[d] = {parse_key(k) for k in r.tensors if parse_key(k)}
+        model = {k for k in r.tensors if not parse_key(k)}
+        assert {m for _, _, m in keys[d]} == {k for k in model if not k.endswith(".expert_bias")}
+        assert all((c == 1) == (".experts." in m) for c, _, m in keys[d]), "dense / expert optimizers chained"
+    js = str(tmp_path / "v.json")
+    p = subprocess.run(cli + ["verify", "--hf-config", hf, "--no-progress", "--mcore", a, "--mcore", b, "--optimizer",
+                              "--json", js], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    rep = json.load(open(js))
+    opt_rows = [r for r in rep["tensors"] if r["tensor"].split(":")[0] in STATES]
+    names = {r["tensor"].split(":", 1)[1] for r in opt_rows}
+    weights = {r["tensor"] for r in rep["tensors"]} - {r["tensor"] for r in opt_rows}
+    assert rep["ok"] and all(r["equal"] for r in rep["tensors"]) and len(opt_rows) == 3 * len(names)
+    assert names == {n for n in weights if not n.endswith("e_score_correction_bias")}  # (HF's name of the buffer)
+
+
 def _with_prefix(src: str, dst: str, prefix: str):
     """A copy of the training checkpoint ``src`` whose model keys, and so its optimizer keys, carry ``prefix`` (a
     state dict nested under a key, as a wrapper's sharded_state_dict names it): only .metadata differs."""
