@@ -1,19 +1,26 @@
-"""``reshard --to mcore --keep-optimizer`` judged by megatron-core 0.12.1 itself (issue 43).
+"""``reshard --to mcore --keep-optimizer`` and ``mcore2hf --optimizer-out`` judged by megatron-core 0.12.1 itself
+(issue 43).
 
 A training job at topology A (real GPTModel, DistributedDataParallel and DistributedOptimizer on CPU under gloo:
 tests/optim_worker.py) trains 2 steps, saves verl's training state dict with megatron's ``dist_checkpointing.save``
 and takes a third step in memory (what resuming from its own checkpoint gives: model and optimizer state are
-saved exactly). We reshard its checkpoint to topology B; megatron builds B, loads our output under
-``StrictHandling.RAISE_ALL`` and takes the third step. Judged:
+saved exactly). We reshard its checkpoint through MindSpeed's key set (and TE's) to topology B (every hop a
+topology and a ``--spec`` change); megatron builds B, loads our output under ``StrictHandling.RAISE_ALL`` and takes
+the third step, then tries its own load-time reshard of A and of the MindSpeed-key-set checkpoint. Judged:
 
 * every optimizer state (fp32_param, exp_avg, exp_avg_sq) of every parameter, gathered to global by parameter
   coordinate from the pieces megatron's optimizer holds after the load, equals A's bit for bit;
 * the third step's loss agrees within a derived bound, and so do the updated fp32 masters (see
-  :func:`master_bound`).
+  :func:`master_bound`);
+* megatron's own load of the MindSpeed-key-set checkpoint at B is refused (a key B asks for is missing);
+* ``mcore2hf --optimizer-out`` of A, converted back, equals what megatron saved; both directions under torchrun
+  write the one-process bytes; a key prefix is read; every MoE family's shapes (synthetic states saved by
+  megatron's own save: MLA, MTP, shared experts, the expert-bias buffer) reshard exactly.
 
 Worlds of 4 ranks (the machine has 2 cores). CI cost: two module fixtures of two megatron worlds each (A trains,
-saves and steps; B loads and steps), 140 s dense and 164 s MoE; the whole module 367 s here at a load average of
-20-40 (other jobs beside it), in the main suite and in the users' torch 2.7.1 lane.
+saves and steps; B loads and steps) plus three cheap reshards; the whole module 111 s alone on an idle machine
+before the torchrun, prefix and family tests (~+3 min), 367 s at a load average of 20-40; in the main suite and
+in the users' torch 2.7.1 lane.
 """
 import math
 import os
