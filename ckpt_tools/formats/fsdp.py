@@ -28,7 +28,6 @@ import glob
 import io
 import math
 import os
-import pickle
 import re
 import zipfile
 from collections import OrderedDict
@@ -38,7 +37,7 @@ from ..core.errors import InputError
 from ..core.files import read_json
 from ..core.lazy import torch, torch_dtype
 from ..layout import Box, box_intersect, box_shift, full_box
-from .safe_pickle import UnsafePickleError
+from .safe_pickle import AllowListUnpickler, UnsafePickleError
 
 FSDP_CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -183,17 +182,13 @@ def _device(*args):
     return args[0] if args else "cpu"
 
 
-class FsdpUnpickler(pickle.Unpickler):
+class FsdpUnpickler(AllowListUnpickler):
     """The allow-list unpickler of a verl FSDP rank file's ``data.pkl`` (see the module doc)."""
 
-    def __init__(self, f, what: str):
-        super().__init__(f)
-        self.what = what
+    records = _RECORDS
 
-    def find_class(self, module, name):
+    def allowed(self, module, name):
         key = (module, name)
-        if key in _RECORDS:
-            return _RECORDS[key]
         if key in _PARTIAL:
             raise FsdpError(f"{self.what}: a DTensor with a Partial placement (unreduced values): not a weight "
                             f"checkpoint this can read (verl's merger refuses it too)")

@@ -144,15 +144,31 @@ Metadata = _RECORDS[(_DCP_META, "Metadata")]
 TensorStorageMetadata = _RECORDS[(_DCP_META, "TensorStorageMetadata")]
 
 
-class SafeUnpickler(pickle.Unpickler):
+class AllowListUnpickler(pickle.Unpickler):
+    """An unpickler that calls nothing it was not told to: a global in ``records`` ((module, name) -> an inert
+    record class) resolves to it, anything else to what :meth:`allowed` returns, which refuses by default.
+    ``what`` names the file in every refusal. The DCP ``.metadata`` one (:class:`SafeUnpickler`) and the verl FSDP
+    rank files' (formats/fsdp.py ``FsdpUnpickler``) differ in their records and :meth:`allowed` only."""
+
+    records: dict = {}
+
     def __init__(self, f, what: str):
         super().__init__(f)
         self.what = what
 
     def find_class(self, module, name):
+        rec = self.records.get((module, name))
+        return rec if rec is not None else self.allowed(module, name)
+
+    def allowed(self, module, name):
+        raise UnsafePickleError(f"{self.what}: refusing to unpickle {module}.{name}")
+
+
+class SafeUnpickler(AllowListUnpickler):
+    records = _RECORDS
+
+    def allowed(self, module, name):
         key = (module, name)
-        if key in _RECORDS:
-            return _RECORDS[key]
         if key in _ALLOWED and module == _DCP_PLANNER:  # megatron's save plans: never read, not imported
             key = (module, name)
             cls = _STUB_CLASSES.get(key)
@@ -160,7 +176,7 @@ class SafeUnpickler(pickle.Unpickler):
                 cls = _STUB_CLASSES[key] = type(name, (_Inert,), {"__module__": __name__})
             return cls
         if key in _ALLOWED:
-            return super().find_class(module, name)
+            return pickle.Unpickler.find_class(self, module, name)  # (the real import: past the records)
         if key in _STUBS:
             cls = _STUB_CLASSES.get(key)
             if cls is None:
