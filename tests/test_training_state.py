@@ -150,11 +150,12 @@ def master_bound(lr: float, t: int) -> float:
 LOSS_BOUND = 2 ** -3
 
 CASES = {
-    # dense: A PP2 (2 / 4 layers, uneven) x TP1 x DP2 (DP-split rows on disk) -> MindSpeed's key set at PP3 (1 / 4 /
-    # 1) -> TE's at PP2 (1 / 5) x TP2 -> B (local) PP1 x TP2 x DP2: every hop a topology and a --spec change
-    "dense": dict(family="qwen2", over=dict(tie_word_embeddings=False), a=dict(tp=1, pp=2, first=2),
+    # dense: A PP2 (2 / 4 layers, uneven) x TP2 x DP2 (8 ranks; TP-cut chunks in DP-split rows on disk) ->
+    # MindSpeed's key set at PP3 (1 / 4 / 1) x TP1 -> TE's at PP2 (1 / 5) x TP2 -> B (local) PP1 x TP1 x DP4:
+    # every hop a topology and a --spec change
+    "dense": dict(family="qwen2", over=dict(tie_word_embeddings=False), a=dict(tp=2, pp=2, first=2), a_world=8,
                   via=[("mindspeed", dict(tp=1, pp=3, first=1, last=1)), ("te", dict(tp=2, pp=2, first=1))],
-                  b=dict(tp=2, pp=1)),
+                  b=dict(tp=1, pp=1)),
     # MoE: A PP2 (2 / 4) x EP2 x DP2 (dense and expert optimizers chained) -> MindSpeed's key set at PP3 x EP2 ->
     # B (local) PP1 x EP4 x DP4 (an EP change with a PP change: Megatron-LM #1517's PP4 -> EP4 kind)
     "moe": dict(family="mixtral", over={}, a=dict(tp=1, pp=2, first=2, ep=2),
@@ -183,8 +184,8 @@ def judged(request, tmp_path_factory):
     make_tiny_hf(hf, model_type=case["family"], **case["over"])
     a_dir, b_dir = str(d / "A"), str(d / "B")
     dump_a, dump_b = str(d / "dump_A"), str(d / "dump_B")
-    ra, _ = run_ranks("optim_worker.py", d, timeout=900, hf=hf, world=4, steps=2, save=a_dir, after=1, dump=dump_a,
-                      **case["a"])
+    ra, _ = run_ranks("optim_worker.py", d, timeout=900, hf=hf, world=case.get("a_world", 4), steps=2, save=a_dir,
+                      after=1, dump=dump_a, **case["a"])
     hops, src, out = [], a_dir, []
     for spec, topo in case["via"] + [("local", case["b"])]:
         dst = b_dir if spec == "local" else str(d / f"via_{spec}")
@@ -295,6 +296,12 @@ def test_verify_optimizer_compares_every_state_by_parameter_coordinate(judged):
     state = parse_key(okey)[1]
     assert len(diff) == 1 and diff[0]["tensor"].startswith(state + ":") and diff[0]["mismatched"] == 1, diff
     assert "FAILED" in p.stdout
+    # single-side verify covers the optimizer records too: B itself is OK, the flipped copy fails its manifest
+    one = [sys.executable, "-m", "ckpt_tools.cli", "verify", "--hf-config", judged["hf"], "--no-progress", "--mcore"]
+    p = subprocess.run(one + [b_dir], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr
+    p = subprocess.run(one + [bad], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and os.path.basename(rec.path) in p.stdout + p.stderr, p.stdout[-2000:] + p.stderr
 
 
 def test_optimizer_out_writes_each_state_under_the_hf_names(judged):
@@ -476,7 +483,7 @@ def _rng_bytes(d):
 
 def test_rng_states_follow_only_an_unchanged_pp_tp_grid(judged):
     a = judged["case"]["a"]
-    assert "rng states dropped (2 objects" in judged["reshard"][0]  # the first hop changed PP
+    assert f"rng states dropped ({a['pp'] * a['tp']} objects" in judged["reshard"][0]  # the first hop changed PP
     same = str(judged["d"] / "same_grid")
     cmd = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--to", "mcore", "--from", judged["a_dir"], "--out", same,
            "--hf-config", judged["hf"], "--tp", str(a["tp"]), "--pp", str(a["pp"]), "--num-layers-in-first-pipeline-stage",
