@@ -89,6 +89,36 @@ def allow_tp_ep_without_sp() -> None:
     cls._ckpt_tools_lifted = True
 
 
+def torch_norm_sequence_parallel() -> None:
+    """Let the local spec's torch norms (transformer/torch_norm.py ``WrappedTorchNorm``, which asserts ``not
+    config.sequence_parallel``) serve a sequence-parallel model, as Transformer Engine's norms do on GPU: the norm
+    is built without that assert and its parameters marked ``sequence_parallel``, so that
+    distributed/finalize_model_grads.py ``_allreduce_layernorm_grads`` all-reduces their gradients over TP (each
+    TP rank normalises its own sequence slice). Needed to train a MoE model at TP > 1 on CPU (moe_layer.py asks for
+    sequence parallelism there)."""
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_ckpt_tools_sp", False):
+        return
+    orig = cls.__new__
+
+    def __new__(cls_, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return orig(cls_, config, hidden_size, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = orig(cls_, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    cls.__new__ = staticmethod(__new__)
+    cls._ckpt_tools_sp = True
+
+
 def init_process(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)

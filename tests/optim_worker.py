@@ -3,7 +3,7 @@ its DistributedOptimizer (Adam, fp32 main parameters), the judge of ``reshard --
 
 python tests/optim_worker.py '<json>' with keys:
   hf: HF dir of the model (the starting weights, through mcore_worker's reference transform); world; tp, pp, ep,
-      etp, first, last: topology (DP = world / (PP x TP))
+      etp, first, last: topology (DP = world / (PP x TP)); sp: sequence parallel (a MoE model at TP > 1 needs it)
   load: a training checkpoint to resume from (model + optimizer + lr scheduler, ``StrictHandling.RAISE_ALL``,
         the rng state not asked for: megatron's --no-load-rng)
   steps: training steps to run; save: dir for the training checkpoint after them, in verl's layout
@@ -75,7 +75,7 @@ def run(rank, world, a):
 
     cfg = json.load(open(os.path.join(a["hf"], "config.json")))
     model, ranks, offset, nle = build_gpt_model(cfg, a["tp"], a["pp"], a.get("ep", 1), a.get("etp"), a.get("first"),
-                                                a.get("last"), dtype=torch.bfloat16)
+                                                a.get("last"), dtype=torch.bfloat16, sequence_parallel=a.get("sp", False))
     model.train()
     hf, _ = hf_files(a["hf"])
     fill_reference(model, hf, cfg, ranks, offset, nle)  # (bf16: the HF fp32 values rounded)

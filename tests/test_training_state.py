@@ -156,9 +156,10 @@ CASES = {
     "dense": dict(family="qwen2", over=dict(tie_word_embeddings=False), a=dict(tp=2, pp=2, first=2), a_world=8,
                   via=[("mindspeed", dict(tp=1, pp=3, first=1, last=1)), ("te", dict(tp=2, pp=2, first=1))],
                   b=dict(tp=1, pp=1)),
-    # MoE: A PP2 (2 / 4) x EP2 x DP2 (dense and expert optimizers chained) -> MindSpeed's key set at PP3 x EP2 ->
-    # B (local) PP1 x EP4 x DP4 (an EP change with a PP change: Megatron-LM #1517's PP4 -> EP4 kind)
-    "moe": dict(family="mixtral", over={}, a=dict(tp=1, pp=2, first=2, ep=2),
+    # MoE: A PP2 (2 / 4) x TP2 (sequence parallel) x EP2 x DP2 (8 ranks; dense and expert optimizers chained) ->
+    # MindSpeed's key set at PP3 x EP2 -> B (local) PP1 x EP4 x DP4 (an EP change with a PP change: Megatron-LM
+    # #1517's PP4 -> EP4 kind)
+    "moe": dict(family="mixtral", over={}, a=dict(tp=2, pp=2, first=2, ep=2, sp=True), a_world=8,
                 via=[("mindspeed", dict(tp=1, pp=3, ep=2))], b=dict(tp=1, pp=1, ep=4)),
 }
 

@@ -71,11 +71,13 @@ def transformer_kwargs(cfg) -> dict:
 
 
 def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                    first: int | None = None, last: int | None = None, dtype=torch.float32) -> GPT:
+                    first: int | None = None, last: int | None = None, dtype=torch.float32,
+                    sequence_parallel: bool = False) -> GPT:
     """A megatron-core GPTModel (local spec: no Transformer Engine on CPU) for HF config ``hfcfg`` (any family the
     tables serve: :func:`transformer_kwargs`) at TP x PP x EP (ETP, default TP), ``dtype`` (default fp32) parameters, on this process's existing
     default group (gloo); ``first`` / ``last``: layers of the first / last pipeline stage (megatron's
-    num_layers_in_first/last_pipeline_stage)."""
+    num_layers_in_first/last_pipeline_stage); ``sequence_parallel``: megatron's, which it requires to train a MoE
+    model at TP > 1 (moe_layer.py; gloo has the reduce-scatter it needs)."""
     import torch.nn.functional as F
 
     from .. import _mcore_cpu
@@ -83,6 +85,8 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
 
     _mcore_cpu.apply()
     _mcore_cpu.allow_tp_ep_without_sp()
+    if sequence_parallel:
+        _mcore_cpu.torch_norm_sequence_parallel()
     no_cuda_rng()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -104,6 +108,7 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last, hidden_dropout=0.0, attention_dropout=0.0,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         # fused kernels are CUDA-only
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
