@@ -17,10 +17,10 @@ the third step, then tries its own load-time reshard of A and of the MindSpeed-k
   write the one-process bytes; a key prefix is read; every MoE family's shapes (synthetic states saved by
   megatron's own save: MLA, MTP, shared experts, the expert-bias buffer) reshard exactly.
 
-Worlds of 4 ranks (the machine has 2 cores). CI cost: two module fixtures of two megatron worlds each (A trains,
-saves and steps; B loads and steps) plus three cheap reshards; the whole module 111 s alone on an idle machine
-before the torchrun, prefix and family tests (~+3 min), 367 s at a load average of 20-40; in the main suite and
-in the users' torch 2.7.1 lane.
+A's worlds have 8 ranks (PP2 x TP2 x DP2, the MoE one EP2 and sequence parallel), B's 4 (the machine has 2
+cores). CI cost: two module fixtures of two megatron worlds each (A trains, saves and steps; B loads and steps)
+plus three cheap reshards; the whole module ~200 s alone on an idle machine, more under load; in the main suite
+and in the users' torch 2.7.1 lane.
 """
 import math
 import os
