@@ -232,8 +232,8 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     def open_src():
         return McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache)
 
-    state_outs = _optimizer_outputs(optimizer_out, open_src, overwrite, {**inputs, "--out": out}) \
-        if optimizer_out is not None else {}
+    state_outs, opt = _optimizer_outputs(optimizer_out, open_src, overwrite, {**inputs, "--out": out}) \
+        if optimizer_out is not None else ({}, None)
 
     def destination(view):
         dts.update((n, dt or view.source_dtype(n)) for n in view.names())
@@ -243,40 +243,40 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
     view, _, res = convert(Job(output, "mcore2hf", mcore, open_src, destination), opts, FormatError)
     res.update(spec=view.spec, prefix=view.ckpt.prefix, dtype="+".join(sorted(set(map(str, dts.values())))))
     if state_outs:
-        res["optimizer"] = {state: _optimizer_to_hf(o, state, open_src, max_shard_size, hf_config, cfg, opts)
+        res["optimizer"] = {state: _optimizer_to_hf(o, opt, state, max_shard_size, hf_config, cfg, opts)
                             for state, o in state_outs.items()}
     return res
 
 
-def _optimizer_outputs(optimizer_out: str, open_src, overwrite: bool, inputs: dict) -> dict:
-    """``--optimizer-out DIR``: {state: the :class:`Output` ``DIR/<state>``}, every one checked (and the source's
-    optimizer state found) before any work; DIR is created only then."""
-    if not str(optimizer_out).strip():
-        raise FormatError("--optimizer-out is empty: give the output directory")
-    d = optimizer_out.rstrip("/") or "/"
-    if os.path.islink(d) or (os.path.exists(d) and not os.path.isdir(d)):
-        raise FormatError(f"--optimizer-out {d} exists and is not a directory")
-
+def _optimizer_outputs(optimizer_out: str, open_src, overwrite: bool, inputs: dict) -> tuple[dict, OptimizerSource]:
+    """``--optimizer-out DIR``: ({state: the :class:`Output` ``DIR/<state>``}, the source's
+    :class:`OptimizerSource`, which every state's job reads), every output checked and the optimizer state found
+    before any work; DIR is created only then."""
     def output(path):
         return Output(path, "hf", overwrite, inputs, FormatError, flag="--optimizer-out")
 
-    for o in [output(os.path.join(d, s)) for s in STATES] if os.path.isdir(d) else [output(d)]:
-        o.check()  # (a new DIR: checked as a whole, its state dirs cannot meet an input)
-    states = OptimizerSource(open_src(), "--optimizer-out").states  # one line if the source holds none
-    outs = {s: output(os.path.join(d, s)) for s in states}
+    top = output(optimizer_out)
+    d = top.dir
+    if os.path.isdir(d) and not os.path.islink(d):
+        for s in STATES:
+            output(os.path.join(d, s)).check()
+    else:  # empty, a file, a symlink, no parent, an input: --out's rules; a new DIR's state dirs meet no input
+        top.check()
+    opt = OptimizerSource(open_src(), "--optimizer-out")  # one line if the source holds none
+    outs = {s: output(os.path.join(d, s)) for s in opt.states}
     os.makedirs(d, exist_ok=True)
     for o in outs.values():
         o.check()
-    return outs
+    return outs, opt
 
 
-def _optimizer_to_hf(output: Output, state: str, open_src, max_shard_size, hf_config, cfg, opts) -> dict:
+def _optimizer_to_hf(output: Output, opt: OptimizerSource, state: str, max_shard_size, hf_config, cfg, opts) -> dict:
     """One optimizer state of a training checkpoint -> HF safetensors under the weights' names, float32, through
     the same driver and engine as the weights: the state's pieces by parameter coordinate
     (:class:`~ckpt_tools.formats.training.OptimizerView`), so the layout math is the weights' own. The source's
     integrity gate ran for the weights' job (its structure and manifest sizes); these bytes are read unchecked."""
     def open_state():
-        ov = OptimizerView(OptimizerSource(open_src(), "--optimizer-out"), state)
+        ov = OptimizerView(opt, state)
         if ov.mixed:
             raise FormatError(f"--optimizer-out: {ov.mixed[0]} is made of Megatron tensors of which only some have "
                               f"optimizer state")
