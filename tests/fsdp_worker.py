@@ -39,6 +39,9 @@ def run(rank: int, world: int, a: dict):
     from transformers import AutoModelForCausalLM
 
     dist.init_process_group("gloo")
+    if a.get("abort_once") and rank == 1 and not os.path.exists(a["abort_once"]):
+        open(a["abort_once"], "w").close()  # (tests/test_fsdp_source.py: a rank that dies by a signal, once)
+        os.abort()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(a["hf"], torch_dtype=getattr(torch, a.get("dtype", "float32")))
     if a.get("lora"):
