@@ -189,6 +189,55 @@ def test_every_command_runs_the_structure_checks(srcs, case, tmp_path, capsys):
             assert rc == 0 and warn and rel in warn[0] and os.path.isdir(out), txt
 
 
+def test_a_record_like_a_whole_one_is_whole_only_when_its_structure_bytes_are(srcs, tmp_path):
+    """The structure check parses one record of each (length, data offset, data size) class in full and passes
+    a later one of the class when every structural byte that parse read, CRC-32 fields aside, is the same
+    (TorchDistReader.record_problem). Every byte after the data of the last record of the largest class, flipped
+    in turn: the verdict is the one the full parse (zip_problem over the record's bytes) gives that record."""
+    import struct
+    from collections import defaultdict
+
+    from ckpt_tools.formats.torch_dist_reader import TorchDistReader, zip_problem
+
+    mc = str(tmp_path / "mc")
+    shutil.copytree(srcs["mcore"], mc)
+    r = TorchDistReader(mc)
+    by_cls = defaultdict(list)
+    for key in r.tensors:
+        for cbox, si in r.chunks(key):
+            rec = r.record(key, cbox, si)
+            if not rec.slow:
+                by_cls[(si.length, rec.offset - si.offset, rec.nbytes)].append((rec, si))
+    (length, data_off, nbytes), recs = max(by_cls.items(), key=lambda kv: len(kv[1]))
+    assert len(recs) >= 3
+    assert r.structure() == []  # every record of the class checked, the first in full
+    rec, si = recs[-1]
+    fp = os.path.join(mc, si.relative_path)
+
+    def full_parse():
+        with open(fp, "rb") as f:
+            f.seek(si.offset)
+            raw = f.read(si.length)
+
+        def read(off, n):
+            if (off >= 0 and off + n <= data_off) or (off >= data_off + nbytes and off + n <= length):
+                return raw[off:off + n]
+            raise struct.error(f"a zip structure at record byte {off} overlaps the tensor data or the record's end")
+        return zip_problem(read, length, data_off, nbytes)
+
+    found = 0
+    for pos in range(data_off + nbytes, length):
+        _flip(fp, si.offset + pos)
+        try:
+            got, want = r.record_problem(rec, si), full_parse()
+        finally:
+            _flip(fp, si.offset + pos)
+        assert (got is None) == (want is None), (pos, got, want)
+        found += want is not None
+    assert found > 100  # (the trailer also holds entries' data: a flip there is no structural damage)
+    assert r.record_problem(rec, si) is None
+
+
 # ------------------------------------------------------------------------------------- vLLM: every file it reads
 def test_extra_vllm_part_file_is_caught(srcs, tmp_path, capsys):
     vl = str(tmp_path / "vl")
