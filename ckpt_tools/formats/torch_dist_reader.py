@@ -2,7 +2,6 @@
 described in :mod:`ckpt_tools.formats.torch_dist` (the writer) and docs/format.md."""
 from __future__ import annotations
 
-import bisect
 import io
 import math
 import os
@@ -15,7 +14,16 @@ from ..copy.fileio import read_rec_box
 from ..copy.plan import EngineError, Rec
 from ..core.files import read_json
 from ..core.lazy import torch, torch_version
-from ..layout import Box, box_intersect, box_numel, box_shape, box_shift, box_slices, boxes_disjoint_cover
+from ..layout import (
+    Box,
+    IntervalIndex,
+    box_intersect,
+    box_numel,
+    box_shape,
+    box_shift,
+    box_slices,
+    boxes_disjoint_cover,
+)
 from ..layout.optimizer import is_optimizer_key
 from .safe_pickle import Metadata, TensorStorageMetadata, UnsafePickleError, load_metadata
 from .torch_dist import DistCkptError
@@ -567,39 +575,3 @@ def _mask_crc(head: bytes) -> bytes:
     if i < 0 or i + 18 > len(head):
         return head
     return head[:i + 14] + b"\0\0\0\0" + head[i + 18:]
-
-
-class IntervalIndex:
-    """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
-
-    def __init__(self, items, d: int, depth: int = 2):
-        self.d = d
-        ndim = len(items[0][0]) if items else 0
-        if d >= ndim or depth == 0:
-            self.leaf, self.items = True, items
-            return
-        self.leaf = False
-        buckets = defaultdict(list)
-        for it in items:
-            buckets[it[0][d]].append(it)
-        self.ivs = sorted(buckets)
-        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.ivs, self.ivs[1:]))
-        self.starts = [iv[0] for iv in self.ivs]
-        self.children = [IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
-
-    def query(self, box):
-        if self.leaf:
-            return self.items
-        lo, hi = box[self.d]
-        if self.disjoint:
-            i = max(0, bisect.bisect_right(self.starts, lo) - 1)
-            j = bisect.bisect_left(self.starts, hi)
-            rng = range(i, j)
-        else:
-            rng = range(len(self.ivs))
-        out = []
-        for k in rng:
-            a, b = self.ivs[k]
-            if a < hi and b > lo:
-                out.extend(self.children[k].query(box))
-        return out

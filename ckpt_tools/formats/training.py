@@ -24,10 +24,9 @@ import os
 from ..copy.fileio import read_rec_box
 from ..copy.plan import Op, Rec, map_sub
 from ..core.lazy import torch
-from ..layout import box_intersect, box_numel, box_shape, box_shift
+from ..layout import IntervalIndex, box_intersect, box_numel, box_shape, box_shift
 from ..layout.optimizer import ORIG_SHAPE, STATES, flat_boxes, local_shape, parse_key, row_of, state_key
 from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, record_template
-from .torch_dist_reader import IntervalIndex
 
 # megatron-core 0.12.1 distrib_optimizer.py sharded_state_dict: the per-DP-group types save
 # ``optimizer.distributed.dp_group_idx_{i}.*`` (dp_zero_gather_scatter: ShardedObjects, one per DP group;

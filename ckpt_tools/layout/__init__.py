@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .boxes import (
     Box,
+    IntervalIndex,
     LayoutError,
     Segment,
     box_intersect,
@@ -46,7 +47,7 @@ from .topology import (
     vllm_parallel,
 )
 
-__all__ = ["Box", "LayoutError", "Segment", "box_intersect", "box_numel", "box_shape", "box_shift", "box_slices",
+__all__ = ["Box", "IntervalIndex", "LayoutError", "Segment", "box_intersect", "box_numel", "box_shape", "box_shift", "box_slices",
            "boxes_disjoint_cover", "full_box", "iter_boxes_in", "numel", "SPECS", "MegatronLayout", "TensorSpec",
            "VllmLayout", "detect_spec", "dropped", "hf_shapes", "Chunk", "MegatronParallel", "VllmParallel", "chunk_holders", "megatron_chunks",
            "pad_vocab", "split_range", "vllm_expert_range", "vllm_parallel", "PLAN_FLAGS", "RESHARD_FLAGS",

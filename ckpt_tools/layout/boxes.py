@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -150,3 +151,39 @@ def iter_boxes_in(segments: Iterable[Segment], target_box: Box):
         inter = box_intersect(seg.box, target_box)
         if inter is not None:
             yield seg, inter
+
+
+class IntervalIndex:
+    """Chunks bucketed by their interval on dim ``d`` (then on dim d+1); bisect when intervals are disjoint."""
+
+    def __init__(self, items, d: int, depth: int = 2):
+        self.d = d
+        ndim = len(items[0][0]) if items else 0
+        if d >= ndim or depth == 0:
+            self.leaf, self.items = True, items
+            return
+        self.leaf = False
+        buckets = defaultdict(list)
+        for it in items:
+            buckets[it[0][d]].append(it)
+        self.ivs = sorted(buckets)
+        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.ivs, self.ivs[1:]))
+        self.starts = [iv[0] for iv in self.ivs]
+        self.children = [IntervalIndex(buckets[iv], d + 1, depth - 1) for iv in self.ivs]
+
+    def query(self, box):
+        if self.leaf:
+            return self.items
+        lo, hi = box[self.d]
+        if self.disjoint:
+            i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+            j = bisect.bisect_left(self.starts, hi)
+            rng = range(i, j)
+        else:
+            rng = range(len(self.ivs))
+        out = []
+        for k in rng:
+            a, b = self.ivs[k]
+            if a < hi and b > lo:
+                out.extend(self.children[k].query(box))
+        return out
