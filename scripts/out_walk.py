@@ -64,14 +64,14 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     import torch
 
-    from ckpt_tools.convert import directions
+    from ckpt_tools.convert import Options, hf2mcore
     from ckpt_tools.testing.synth import make_tiny_hf
 
     tmp = tempfile.mkdtemp(prefix="out_walk-")
     hf, out = os.path.join(tmp, "hf"), os.path.join(tmp, "out")
     make_tiny_hf(hf, dtype=torch.bfloat16)
     for label, kw in (("new --out", {}), ("--overwrite", {"overwrite": True})):
-        stops = walk(lambda: directions.hf2mcore(hf, out, progress=False, **kw), out)
+        stops = walk(lambda: hf2mcore(hf, out, options=Options(progress=False, **kw)), out)
         inside = [s for s in stops if "/output/" in s[0]]
         print(f"{label}: {len(stops)} stops ({sum(s[2] == 'bare' for s in stops)} bare, "
               f"{sum(s[2] == 'inside' for s in stops)} inside an argument)")

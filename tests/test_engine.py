@@ -192,7 +192,7 @@ def test_direct_read_error_is_raised_after_all_pieces(tmp_path, monkeypatch):
 
 def test_hf2mcore_reads_each_staged_source_once(tiny_hf, tmp_path):
     """o_proj / down_proj are cut by columns (TP2): each is read once for both TP ranks' chunks."""
-    r = convert.hf2mcore(tiny_hf, str(tmp_path / "mc"), tp=2, ep=2, progress=False)
+    r = convert.hf2mcore(tiny_hf, str(tmp_path / "mc"), tp=2, ep=2, options=convert.Options(progress=False))
     cfg = HFView(tiny_hf).cfg
     col = cfg.layers * (cfg.hidden * cfg.heads * cfg.head_dim + cfg.experts * cfg.hidden * cfg.moe_ffn) * 4
     assert r["engine"]["staged_bytes"] == col
@@ -202,7 +202,7 @@ def test_hf2mcore_reads_each_staged_source_once(tiny_hf, tmp_path):
 def test_odd_chunk_records_take_the_slow_path(tiny_hf, tmp_path):
     """A chunk saved non-contiguous (another writer's layout) is read with torch.load, still exactly."""
     mc = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", progress=False)
+    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", options=convert.Options(progress=False))
     md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
     k = "decoder.layers.self_attention.linear_proj.weight"
     mi = next(m for m in md.storage_data if m.fqn == k)
@@ -222,7 +222,7 @@ def test_odd_chunk_records_take_the_slow_path(tiny_hf, tmp_path):
     pickle.dump(md, open(os.path.join(mc, ".metadata"), "wb"))
     os.remove(os.path.join(mc, "ckpt_tools.manifest.json"))  # another writer's checkpoint: no manifest of ours
     back = str(tmp_path / "back")
-    r = convert.mcore2hf(mc, back, tiny_hf, progress=False)
+    r = convert.mcore2hf(mc, back, tiny_hf, options=convert.Options(progress=False))
     assert r["engine"]["slow_records"] >= 1
     assert verify(HFView(tiny_hf), HFView(back), progress=False)["ok"]
     assert verify(HFView(tiny_hf), McoreView(mc, HFView(tiny_hf).cfg), progress=False)["ok"]

@@ -122,7 +122,7 @@ def _equal_hf(a, b):
 def test_megatron_loads_ours_and_saves_the_same(family, models, tmp_path):
     hf, topo = models(family), topology(family)
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "megatron_saved")
-    convert.hf2mcore(hf, ours, spec="local", progress=False, **topo)
+    convert.hf2mcore(hf, ours, spec="local", **topo, options=convert.Options(progress=False))
     os.makedirs(ref)
     res, _ = run_megatron(str(tmp_path), hf=hf, save=ref, keys_out=True,
                           loads=[{"dir": ours, "as": "local", "strict": "raise_all"}], **topo)
@@ -144,7 +144,7 @@ def test_megatron_loads_ours_and_saves_the_same(family, models, tmp_path):
         assert t_our["decoder.layers.2.mlp.router.expert_bias"][1] == torch.float32
     for name, src in (("ours", ours), ("theirs", ref)):
         back = str(tmp_path / f"hf_from_{name}")
-        convert.mcore2hf(src, back, hf, progress=False)
+        convert.mcore2hf(src, back, hf, options=convert.Options(progress=False))
         _equal_hf(hf, back)
 
 
@@ -156,7 +156,7 @@ def test_forward_logits_equal_transformers(family, models, tmp_path):
     hf = models(family)
     out = str(tmp_path / "mc")
     # the main model (transformers has no MTP layers): --no-mtp leaves them out, megatron builds none
-    convert.hf2mcore(hf, out, tp=2, spec="local", progress=False, no_mtp=family in MTP)
+    convert.hf2mcore(hf, out, tp=2, spec="local", no_mtp=family in MTP, options=convert.Options(progress=False))
     ids = [[1, 5, 7, 9, 200, 3, 4, 8, 100, 17, 33, 2, 249, 11, 64, 90]]
     res, d = run_megatron(str(tmp_path), hf=hf, load=out, forward=ids, tp=2, pp=1, ep=1,
                           config={MTP[family]: 0} if family in MTP else {})
@@ -186,11 +186,11 @@ def vllm_runs(models, tmp_path_factory):
     for family in FAMILIES + list(VARIANTS):
         hf, d = models(family, "bf16"), tmp_path_factory.mktemp(f"vllm_{family}")
         mc, tp2, ep = str(d / "mc"), str(d / "tp2"), str(d / "ep")
-        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), progress=False)
-        convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", progress=False)
+        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), options=convert.Options(progress=False))
+        convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", options=convert.Options(progress=False))
         mine = [dict(model_dir=hf, tp=2, **gen), dict(model_dir=tp2, tp=2, **gen, **sh)]
         if family in MOE:
-            convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", progress=False)
+            convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", options=convert.Options(progress=False))
             mine += [dict(model_dir=hf, tp=2, expert_parallel=True), dict(model_dir=ep, tp=2, expert_parallel=True, **sh)]
         out[family] = {"tp2": tp2, "jobs": range(len(jobs), len(jobs) + len(mine))}
         jobs += mine

@@ -138,8 +138,8 @@ def test_dequant_of_any_box_with_partial_blocks(monkeypatch, scratch):
 def test_hf2mcore_from_fp8_equals_hf2mcore_of_its_dequant(fp8, tmp_path, capsys):
     _, q, ref = fp8
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    ra = convert.hf2mcore(q, a, spec="local", progress=False, **TOPO)
-    convert.hf2mcore(ref, b, spec="local", progress=False, **TOPO)
+    ra = convert.hf2mcore(q, a, spec="local", **TOPO, options=convert.Options(progress=False))
+    convert.hf2mcore(ref, b, spec="local", **TOPO, options=convert.Options(progress=False))
     assert ra["dtype"] == "torch.bfloat16"
     fa, fb = _files(a), _files(b)
     assert sorted(fa) == sorted(fb) and any(k.endswith(".distcp") for k in fa)
@@ -158,8 +158,8 @@ def test_every_output_is_bf16_without_quantization_config(fp8, tmp_path):
     FP8."""
     _, q, ref = fp8
     va, vb = str(tmp_path / "va"), str(tmp_path / "vb")
-    convert.reshard(q, va, tp=2, progress=False)
-    convert.reshard(ref, vb, tp=2, progress=False)
+    convert.reshard(q, va, tp=2, options=convert.Options(progress=False))
+    convert.reshard(ref, vb, tp=2, options=convert.Options(progress=False))
     fa, fb = _files(va), _files(vb)
     tensors = [k for k in fa if k.endswith(".safetensors")]
     assert sorted(fa) == sorted(fb) and tensors
@@ -167,8 +167,8 @@ def test_every_output_is_bf16_without_quantization_config(fp8, tmp_path):
     cfg = HFView(ref).cfg
     assert verify(HFView(q), VllmView(va, cfg), progress=False)["ok"]
     mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
-    convert.hf2mcore(q, mc, progress=False, **TOPO)
-    convert.mcore2hf(mc, back, q, progress=False)
+    convert.hf2mcore(q, mc, **TOPO, options=convert.Options(progress=False))
+    convert.mcore2hf(mc, back, q, options=convert.Options(progress=False))
     rep = verify(HFView(ref), HFView(back), progress=False)
     assert rep["ok"] and rep["compared"] == len(HFView(ref).shapes)
     for d in (va, back):
@@ -187,7 +187,7 @@ def test_megatron_loads_hf2mcore_of_fp8(fp8, tmp_path):
     the reference dequantization."""
     _, q, ref = fp8
     out = str(tmp_path / "mc")
-    convert.hf2mcore(q, out, spec="local", progress=False, **TOPO)
+    convert.hf2mcore(q, out, spec="local", **TOPO, options=convert.Options(progress=False))
     res, _ = run_megatron(str(tmp_path), hf=ref, load=out, **TOPO)
     assert len(res) == 2
     for r in res:
@@ -344,8 +344,8 @@ def test_deepseek_from_fp8_equals_its_dequant_in_every_direction(tmp_path, capsy
     assert any(n.endswith("shared_experts.down_proj.weight") for n in quantized)
     ref = _reference_dequant(q, str(tmp_path / "ref"))
     topo = dict(pp=3, tp=2, ep=2, first=1, last=2)
-    for what, run in (("mcore", lambda s, o: convert.hf2mcore(s, o, progress=False, **topo)),
-                      ("vllm", lambda s, o: convert.reshard(s, o, tp=2, vllm_version="0.32.0", progress=False))):
+    for what, run in (("mcore", lambda s, o: convert.hf2mcore(s, o, **topo, options=convert.Options(progress=False))),
+                      ("vllm", lambda s, o: convert.reshard(s, o, tp=2, vllm_version="0.32.0", options=convert.Options(progress=False)))):
         a, b = str(tmp_path / f"{what}_fp8"), str(tmp_path / f"{what}_ref")
         run(q, a)
         run(ref, b)

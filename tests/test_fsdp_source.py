@@ -165,7 +165,7 @@ def test_fsdp2_to_hf_equals_the_trained_model_and_verls_merger(fsdp2, work, caps
     # verl's own merger writes bf16 (fsdp_model_merger.py: ``_local_tensor.bfloat16()``): ours with --dtype bf16
     verl_out, bf = os.path.join(work, "verl_out"), os.path.join(work, "fsdp2_bf16")
     _verl_merge(fsdp2["ckpt"], verl_out)
-    convert.fsdp2hf(fsdp2["ckpt"], bf, dtype="bf16", progress=False)
+    convert.fsdp2hf(fsdp2["ckpt"], bf, dtype="bf16", options=convert.Options(progress=False))
     ours, theirs = _hf(bf), _hf(verl_out)
     assert set(ours) <= set(theirs) and set(theirs) - set(ours) <= {"lm_head.weight"}
     bad = [k for k in ours if not (ours[k].dtype == theirs[k].dtype == torch.bfloat16
@@ -200,7 +200,7 @@ def test_fsdp1_moe_to_hf_is_the_trained_model(fsdp1_moe, moe_hf, work):
     from transformers import AutoModelForCausalLM
 
     out = os.path.join(work, "fsdp1_out")
-    r = convert.fsdp2hf(fsdp1_moe["ckpt"], out, progress=False)
+    r = convert.fsdp2hf(fsdp1_moe["ckpt"], out, options=convert.Options(progress=False))
     assert r["fsdp"]["fsdp_version"] == 1 and r["fsdp"]["tensor_kinds"] == ["ShardedTensor"]
     got = _hf(out)
     assert "model.layers.0.mlp.experts.7.up_proj.weight" in got and "model.layers.0.mlp.experts.gate_up_proj" \
@@ -224,13 +224,13 @@ def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, odd_hf, wo
     # no choice made: refused, nothing written
     out = os.path.join(work, "lora_none")
     with pytest.raises(convert.FormatError, match="--merge-lora .* --lora-adapter-out"):
-        convert.fsdp2hf(ck, out, progress=False)
+        convert.fsdp2hf(ck, out, options=convert.Options(progress=False))
     assert not os.path.exists(out)
     with pytest.raises(convert.FormatError, match="--lora-alpha"):
-        convert.fsdp2hf(ck, out, merge_lora=True, progress=False)
+        convert.fsdp2hf(ck, out, merge_lora=True, options=convert.Options(progress=False))
     # merged: peft's merge_and_unload of the trained adapter, bit for bit (bf16: get_delta_weight's fp32 cast)
     merged = os.path.join(work, "lora_merged")
-    convert.fsdp2hf(ck, merged, merge_lora=True, lora_alpha=LORA["alpha"], progress=False)
+    convert.fsdp2hf(ck, merged, merge_lora=True, lora_alpha=LORA["alpha"], options=convert.Options(progress=False))
     base = AutoModelForCausalLM.from_pretrained(odd_hf, dtype=torch.bfloat16)
     pm = get_peft_model(base, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["targets"],
                                          bias="none", task_type="CAUSAL_LM"))
@@ -241,7 +241,7 @@ def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, odd_hf, wo
     assert not glob.glob(os.path.join(work, "lora_merged.lora-*"))  # the scratch of the transform stage: removed
     # adapter: base + peft's layout; peft loads it and the logits are the trained model's
     base_out, ad = os.path.join(work, "lora_base"), os.path.join(work, "lora_adapter")
-    r = convert.fsdp2hf(ck, base_out, lora_adapter_out=ad, lora_alpha=LORA["alpha"], progress=False)
+    r = convert.fsdp2hf(ck, base_out, lora_adapter_out=ad, lora_alpha=LORA["alpha"], options=convert.Options(progress=False))
     layers = json.load(open(os.path.join(odd_hf, "config.json")))["num_hidden_layers"]
     assert r["adapter"]["r"] == LORA["r"] and r["adapter"]["modules"] == 2 * layers  # q, v of every layer
     assert torch.equal(_logits(base_out, torch.bfloat16, ad), hsdp_lora["logits"])
@@ -302,7 +302,7 @@ def test_reshard_from_fsdp_to_mcore_and_vllm_is_the_same_model(fsdp2, work):
     """``reshard --from`` an FSDP dir: the torch_dist and vLLM outputs hold the trained model's tensors (our
     two-sided verify against the HF output, bit for bit)."""
     hf = os.path.join(work, "fsdp2_hf_for_reshard")
-    convert.fsdp2hf(fsdp2["ckpt"], hf, progress=False)
+    convert.fsdp2hf(fsdp2["ckpt"], hf, options=convert.Options(progress=False))
     mc = os.path.join(work, "fsdp2_mcore")
     assert main(["reshard", "--from", fsdp2["ckpt"], "--to", "mcore", "--out", mc, "--tp", "2", "--pp", "2",
                  "--no-progress"]) == 0
@@ -338,9 +338,9 @@ def test_megatron_loads_reshard_to_mcore_of_the_fsdp_moe_checkpoint(fsdp1_moe, w
     from conftest import run_megatron
 
     hf, mc = os.path.join(work, "fsdp1_moe_hf"), os.path.join(work, "fsdp1_moe_mcore")
-    convert.fsdp2hf(fsdp1_moe["ckpt"], hf, progress=False)
+    convert.fsdp2hf(fsdp1_moe["ckpt"], hf, options=convert.Options(progress=False))
     topo = dict(tp=2, pp=2, first=2, ep=2, etp=1)
-    r = convert.mcore2mcore(fsdp1_moe["ckpt"], mc, None, spec="local", progress=False, **topo)
+    r = convert.mcore2mcore(fsdp1_moe["ckpt"], mc, None, spec="local", **topo, options=convert.Options(progress=False))
     assert r["topology"]
     res, _ = run_megatron(work, hf=hf, loads=[{"dir": mc, "as": "local", "strict": "raise_all"}], **topo)
     assert len(res) == 4
@@ -357,8 +357,8 @@ def test_vllm_loads_reshard_to_vllm_of_the_fsdp_checkpoint_bit_for_bit(fsdp2, wo
     from vllm_helper import run_vllm_jobs
 
     hf, vl = os.path.join(work, "fsdp2_hf_bf16_vllm"), os.path.join(work, "fsdp2_vllm_bf16")
-    convert.fsdp2hf(fsdp2["ckpt"], hf, dtype="bf16", progress=False)
-    convert.reshard(fsdp2["ckpt"], vl, tp=2, dtype="bf16", vllm_version="0.32.0", progress=False)
+    convert.fsdp2hf(fsdp2["ckpt"], hf, dtype="bf16", options=convert.Options(progress=False))
+    convert.reshard(fsdp2["ckpt"], vl, tp=2, dtype="bf16", vllm_version="0.32.0", options=convert.Options(progress=False))
     gen = dict(prompts=[[1, 2, 3, 4, 5], [249, 17, 100]], max_tokens=8)
     ref, ours = run_vllm_jobs([dict(model_dir=hf, tp=2, **gen),
                                dict(model_dir=vl, tp=2, load_format="sharded_state", **gen)], timeout=1200)

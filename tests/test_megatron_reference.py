@@ -25,7 +25,7 @@ def _check_load(results):
 
 def test_megatron_loads_ours_pp3_uneven_tp2_ep2(tiny_hf, tmp_path):
     out = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, out, spec="local", progress=False, **UNEVEN)
+    convert.hf2mcore(tiny_hf, out, spec="local", **UNEVEN, options=convert.Options(progress=False))
     res, _ = run_megatron(str(tmp_path), hf=tiny_hf, load=out, **UNEVEN)
     assert len(res) == 12  # PP3 x lcm(TP2, ETP2*EP2)
     assert sorted({r["offset"] for r in res}) == [0, 1, 4]  # megatron's own uneven layer offsets
@@ -36,7 +36,7 @@ def test_megatron_loads_ours_etp1(tiny_hf, tmp_path):
     # verl's GPU recipe uses ETP1 (PP8/TP4/EP4/ETP1): experts un-split, one expert grid per TP group
     topo = dict(UNEVEN, etp=1)
     out = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, out, spec="local", progress=False, **topo)
+    convert.hf2mcore(tiny_hf, out, spec="local", **topo, options=convert.Options(progress=False))
     res, _ = run_megatron(str(tmp_path), hf=tiny_hf, load=out, **topo)
     assert len(res) == 6
     _check_load(res)
@@ -49,7 +49,7 @@ def test_metadata_equals_megatron_save_and_export(tiny_hf, tmp_path):
     os.makedirs(ref)
     res, _ = run_megatron(str(tmp_path), hf=tiny_hf, save=ref, keys_out=True, **UNEVEN)
     ours = str(tmp_path / "ours")
-    convert.hf2mcore(tiny_hf, ours, spec="local", progress=False, **UNEVEN)
+    convert.hf2mcore(tiny_hf, ours, spec="local", **UNEVEN, options=convert.Options(progress=False))
 
     def summary(d):
         md = pickle.load(open(os.path.join(d, ".metadata"), "rb"))
@@ -79,7 +79,7 @@ def test_metadata_equals_megatron_save_and_export(tiny_hf, tmp_path):
 
     # issue 3: export megatron's own save back to HF: bitwise equal to the source weights
     hf_out = str(tmp_path / "exported")
-    convert.mcore2hf(ref, hf_out, tiny_hf, progress=False)
+    convert.mcore2hf(ref, hf_out, tiny_hf, options=convert.Options(progress=False))
     rep = verify(HFView(tiny_hf), HFView(hf_out), progress=False)
     assert rep["ok"], rep["problems"] or [r for r in rep["tensors"] if not r["equal"]][:3]
     rep = verify(HFView(tiny_hf), McoreView(ref, HFView(tiny_hf).cfg), progress=False)
@@ -90,7 +90,7 @@ def test_forward_logits_equal_transformers(tiny_hf, tmp_path):
     from transformers import Qwen3MoeForCausalLM
 
     out = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, out, tp=2, spec="local", progress=False)
+    convert.hf2mcore(tiny_hf, out, tp=2, spec="local", options=convert.Options(progress=False))
     ids = [[1, 5, 7, 9, 200, 3, 4, 8, 100, 17, 33, 2, 250, 11, 64, 90]]
     res, d = run_megatron(str(tmp_path), hf=tiny_hf, load=out, forward=ids, tp=2, pp=1, ep=1)
     _check_load(res)

@@ -82,8 +82,8 @@ def ckpts(tiny_hf, tmp_path_factory):
     """The checkpoints every test here looks at, and one megatron run loading them (RAISE_ALL)."""
     t = tmp_path_factory.mktemp("i10")
     d = {k: str(t / k) for k in ("ms", "train", "loc", "te", "ms2te")}
-    convert.hf2mcore(tiny_hf, d["ms"], spec="mindspeed", progress=False, **MS_TOPO)
-    convert.hf2mcore(tiny_hf, d["train"], spec="local", progress=False, **SRC_TOPO)
+    convert.hf2mcore(tiny_hf, d["ms"], spec="mindspeed", **MS_TOPO, options=convert.Options(progress=False))
+    convert.hf2mcore(tiny_hf, d["train"], spec="local", **SRC_TOPO, options=convert.Options(progress=False))
     add_training_entries(d["train"])
     # through the CLI, as users run it
     for out, spec in (("loc", "local"), ("te", "te")):
@@ -91,7 +91,7 @@ def ckpts(tiny_hf, tmp_path_factory):
                        "--spec", spec, "--tp", "2", "--pp", "3", "--num-layers-in-first-pipeline-stage", "1",
                        "--num-layers-in-last-pipeline-stage", "2", "--ep", "2", "--etp", "1", "--no-progress"])
         assert rc == 0
-    convert.mcore2mcore(d["ms"], d["ms2te"], tiny_hf, spec="te", progress=False, **SRC_TOPO)
+    convert.mcore2mcore(d["ms"], d["ms2te"], tiny_hf, spec="te", **SRC_TOPO, options=convert.Options(progress=False))
     loads = [dict(dir=d["ms"], **{"as": "mindspeed"}), dict(dir=d["loc"], **{"as": "local"}),
              dict(dir=d["te"], **{"as": "te"}),
              # controls: RAISE_ALL really is strict here
@@ -154,7 +154,7 @@ def test_reshard_to_mcore_local_and_te_load_in_megatron(ckpts, tiny_hf):
         assert not any(k.startswith(("optimizer", "rng_state", "model.")) for k in md.state_dict_metadata)
         # chunks re-cut for the target: the chunk list equals what hf2mcore writes at that topology
         ref = str(os.path.dirname(d[name])) + f"/ref_{name}"
-        convert.hf2mcore(tiny_hf, ref, spec=spec, progress=False, **DST_TOPO)
+        convert.hf2mcore(tiny_hf, ref, spec=spec, **DST_TOPO, options=convert.Options(progress=False))
         _, _, md_ref = _objects(ref)
         for k, v in md_ref.state_dict_metadata.items():
             if hasattr(v, "chunks"):

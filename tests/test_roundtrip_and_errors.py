@@ -24,8 +24,8 @@ def test_hf_mcore_hf_roundtrip_bitwise_and_logits(tiny_hf_bf16, tmp_path):
     from transformers import Qwen3MoeForCausalLM
 
     mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
-    convert.hf2mcore(tiny_hf_bf16, mc, spec="te", progress=False, **UNEVEN)
-    convert.mcore2hf(mc, back, tiny_hf_bf16, max_shard_size=100_000, progress=False)
+    convert.hf2mcore(tiny_hf_bf16, mc, spec="te", **UNEVEN, options=convert.Options(progress=False))
+    convert.mcore2hf(mc, back, tiny_hf_bf16, max_shard_size=100_000, options=convert.Options(progress=False))
     idx = json.load(open(os.path.join(back, "model.safetensors.index.json")))
     assert len(set(idx["weight_map"].values())) > 1  # really sharded
     assert set(idx["weight_map"]) == set(HFView(tiny_hf_bf16).shapes)
@@ -40,7 +40,7 @@ def test_hf_mcore_hf_roundtrip_bitwise_and_logits(tiny_hf_bf16, tmp_path):
 
 def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
     mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
-    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, dtype="fp32", vocab_size_divisible_by=384, progress=False)
+    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, dtype="fp32", vocab_size_divisible_by=384, options=convert.Options(progress=False))
     md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
     emb = md.state_dict_metadata["embedding.word_embeddings.weight"]
     assert tuple(emb.size) == (384, 64) and emb.properties.dtype == torch.float32
@@ -53,7 +53,7 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
         assert rep["ok"] and rep["widened"] == 201 and rep["cast"] == 0 and rep["rounded"] == 0
     assert json.load(open(os.path.join(mc, "ckpt_tools.json")))["source_dtypes"] == {
         n: "bfloat16" for n in HFView(tiny_hf_bf16).names()}  # recorded: mcore2hf restores them
-    convert.mcore2hf(mc, back, tiny_hf_bf16, progress=False)  # padding stripped, the source's bf16 restored
+    convert.mcore2hf(mc, back, tiny_hf_bf16, options=convert.Options(progress=False))  # padding stripped, the source's bf16 restored
     assert HFView(back).dtype == torch.bfloat16
     assert verify(HFView(tiny_hf_bf16), HFView(back), progress=False)["ok"]
 
@@ -68,7 +68,7 @@ def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
     lay = MegatronLayout(cfg, "local", MegatronParallel.build(cfg.layers, tp=2), prefix="model.")
     hv = HFView(tiny_hf)
     out = str(tmp_path / "train")
-    write_torch_dist(out, lay, hv, torch.float32, progress=False)
+    write_torch_dist(out, lay, hv, torch.float32, options=convert.Options(progress=False))
     md = pickle.load(open(os.path.join(out, ".metadata"), "rb"))
     # add an optimizer entry as in global_step_N/actor/dist_ckpt
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
@@ -79,13 +79,13 @@ def test_mcore_to_mcore_prefix_and_optimizer_are_handled(tiny_hf, tmp_path):
     v = McoreView(out, cfg)
     assert v.ckpt.prefix == "model."
     back = str(tmp_path / "back")
-    convert.mcore2hf(out, back, tiny_hf, progress=False)
+    convert.mcore2hf(out, back, tiny_hf, options=convert.Options(progress=False))
     assert verify(hv, HFView(back), progress=False)["ok"]
 
 
 def test_verify_detects_a_single_flipped_bit(tiny_hf, tmp_path):
     mc = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", progress=False)
+    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", options=convert.Options(progress=False))
     md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
     mi = next(m for m in md.storage_data if m.fqn == "decoder.layers.self_attention.linear_qkv.weight")
     si = md.storage_data[mi]
@@ -107,7 +107,7 @@ def test_verify_detects_a_single_flipped_bit(tiny_hf, tmp_path):
 
 def test_verify_detects_missing_chunk(tiny_hf, tmp_path):
     mc = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", progress=False)
+    convert.hf2mcore(tiny_hf, mc, tp=2, spec="local", options=convert.Options(progress=False))
     md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
     k = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
     gone = md.state_dict_metadata[k].chunks.pop()
@@ -120,10 +120,10 @@ def test_verify_detects_missing_chunk(tiny_hf, tmp_path):
 
 def test_reshard_from_hf_and_mcore_agree(tiny_hf, tmp_path):
     mc = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, mc, progress=False, **UNEVEN)
+    convert.hf2mcore(tiny_hf, mc, **UNEVEN, options=convert.Options(progress=False))
     a, b = str(tmp_path / "va"), str(tmp_path / "vb")
-    convert.reshard(tiny_hf, a, tp=8, progress=False)  # 4 kv heads on 8 ranks
-    convert.reshard(mc, b, tp=4, ep=8, hf_config=tiny_hf, progress=False)
+    convert.reshard(tiny_hf, a, tp=8, options=convert.Options(progress=False))  # 4 kv heads on 8 ranks
+    convert.reshard(mc, b, tp=4, ep=8, hf_config=tiny_hf, options=convert.Options(progress=False))
     for d in (a, b):
         vv = VllmView(d)
         assert vv.integrity() == []
@@ -146,7 +146,7 @@ def test_truncated_safetensors(tiny_hf, tmp_path):
     fn = sorted(f for f in os.listdir(bad) if f.endswith(".safetensors"))[3]
     p = os.path.join(bad, fn)
     os.truncate(p, os.path.getsize(p) - 100)
-    _err(convert.hf2mcore, bad, str(tmp_path / "out"), progress=False, match=fn)
+    _err(convert.hf2mcore, bad, str(tmp_path / "out"), options=convert.Options(progress=False), match=fn)
     assert not os.path.exists(tmp_path / "out") and _no_partial(tmp_path) == []
 
 
@@ -167,7 +167,7 @@ def test_missing_and_wrong_shape_tensor(tiny_hf, tmp_path):
         else:
             sd[name] = sd[name][:-1]
         save_file(sd, os.path.join(bad, fn))
-        msg = _err(convert.hf2mcore, bad, str(tmp_path / "out"), progress=False, match=name)
+        msg = _err(convert.hf2mcore, bad, str(tmp_path / "out"), options=convert.Options(progress=False), match=name)
         assert ("missing" in msg) if case == "missing" else ("shape" in msg)
     assert not os.path.exists(tmp_path / "out")
 
@@ -179,7 +179,7 @@ def test_missing_and_wrong_shape_tensor(tiny_hf, tmp_path):
     (dict(pp=4, first=1, last=2), "middle"), (dict(pp=3, first=4, last=4), "middle"), (dict(etp=3), "--etp"),
 ])
 def test_bad_topology_is_one_line_error(tiny_hf, tmp_path, kw, match):
-    msg = _err(convert.hf2mcore, tiny_hf, str(tmp_path / "out"), progress=False, match=match, **kw)
+    msg = _err(convert.hf2mcore, tiny_hf, str(tmp_path / "out"), options=convert.Options(progress=False), match=match, **kw)
     assert "\n" not in msg
     assert not os.path.exists(tmp_path / "out")
 
@@ -228,14 +228,14 @@ def test_interrupted_write_leaves_nothing(tiny_hf, tmp_path):
 
     lay = MegatronLayout(view.cfg, "te", MegatronParallel.build(view.cfg.layers, tp=2))
     with pytest.raises(ERRORS, match="truncated"):
-        write_torch_dist(str(tmp_path / "out"), lay, Flaky(), torch.float32, progress=False)
+        write_torch_dist(str(tmp_path / "out"), lay, Flaky(), torch.float32, options=convert.Options(progress=False))
     assert calls["n"] > 50
     assert os.listdir(tmp_path) == []
 
 
 def test_mcore_bad_inputs(tiny_hf, tiny_hf_bf16, tmp_path):
     mc = str(tmp_path / "mc")
-    convert.hf2mcore(tiny_hf, mc, tp=2, progress=False)
+    convert.hf2mcore(tiny_hf, mc, tp=2, options=convert.Options(progress=False))
     # corrupted .metadata
     c1 = str(tmp_path / "c1")
     shutil.copytree(mc, c1)
@@ -247,21 +247,21 @@ def test_mcore_bad_inputs(tiny_hf, tiny_hf_bf16, tmp_path):
     shutil.copytree(mc, c2)
     os.remove(os.path.join(c2, "__1_0.distcp"))
     for c, name in ((c1, ".metadata"), (c2, "__1_0.distcp")):  # against our manifest (exit 1), then without one
-        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, progress=False, match=name, exc=IntegrityError)
+        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, options=convert.Options(progress=False), match=name, exc=IntegrityError)
         os.remove(os.path.join(c, "ckpt_tools.manifest.json"))
-        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, progress=False, match=name)
+        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, options=convert.Options(progress=False), match=name)
     # a checkpoint of another model / mismatched hf-config
     other = str(tmp_path / "other_cfg")
     os.makedirs(other)
     cfg = json.load(open(os.path.join(tiny_hf, "config.json")))
     cfg["num_hidden_layers"] = 4
     json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
-    _err(convert.mcore2hf, mc, str(tmp_path / "o3"), other, progress=False, match="does not match the HF config")
+    _err(convert.mcore2hf, mc, str(tmp_path / "o3"), other, options=convert.Options(progress=False), match="does not match the HF config")
     cfg["num_hidden_layers"], cfg["moe_intermediate_size"] = 6, 48
     json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
-    _err(convert.mcore2hf, mc, str(tmp_path / "o4"), other, progress=False, match="global shape")
+    _err(convert.mcore2hf, mc, str(tmp_path / "o4"), other, options=convert.Options(progress=False), match="global shape")
     # not a checkpoint
-    _err(convert.mcore2hf, tiny_hf, str(tmp_path / "o5"), tiny_hf, progress=False, match="metadata.json")
+    _err(convert.mcore2hf, tiny_hf, str(tmp_path / "o5"), tiny_hf, options=convert.Options(progress=False), match="metadata.json")
     for o in ("o1", "o2", "o3", "o4", "o5"):
         assert not os.path.exists(tmp_path / o)
     assert _no_partial(tmp_path) == []

@@ -84,7 +84,7 @@ def test_keep_optimizer_needs_optimizer_state_and_the_mcore_target(tiny_hf, tmp_
     from ckpt_tools import convert
 
     src = str(tmp_path / "model_only")
-    convert.hf2mcore(tiny_hf, src, progress=False)
+    convert.hf2mcore(tiny_hf, src, options=convert.Options(progress=False))
     base = [sys.executable, "-m", "ckpt_tools.cli", "reshard", "--from", src, "--hf-config", tiny_hf, "--keep-optimizer",
             "--no-progress"]
     p = subprocess.run(base + ["--to", "mcore", "--out", str(tmp_path / "o1")], capture_output=True, text=True)

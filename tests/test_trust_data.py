@@ -41,7 +41,7 @@ def _two_ranks(tmp_path, out, argv_of, env_of=lambda r: {}):
 
 def test_divide_is_a_flag_of_the_command_line_every_rank_shares(tiny_hf_bf16, tmp_path):
     one = str(tmp_path / "one")
-    convert.hf2mcore(tiny_hf_bf16, one, pp=2, tp=2, ep=2, progress=False)
+    convert.hf2mcore(tiny_hf_bf16, one, pp=2, tp=2, ep=2, options=convert.Options(progress=False))
 
     def argv(extra):
         f = lambda r: extra(r)  # noqa: E731
@@ -76,7 +76,7 @@ def test_divide_is_checked_and_documented(tiny_hf, tmp_path, capsys):
         cli.main(["hf2mcore", "--hf", tiny_hf, "--out", str(tmp_path / "o"), "--divide", "bytes"])
     assert "--divide: invalid choice: 'bytes'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--divide must be one of files, source"):
-        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), divide="rows", progress=False)
+        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), options=convert.Options(divide="rows", progress=False))
     for cmd in ("hf2mcore", "mcore2hf", "reshard"):
         with pytest.raises(SystemExit):
             cli.main([cmd, "--help"])
@@ -164,7 +164,7 @@ def test_a_megatron_source_of_integer_weights_is_refused(tiny_hf_bf16, tmp_path,
     src = _relabel(tiny_hf_bf16, str(tmp_path / "src"), lambda k, v: v.view(torch.int16))
     monkeypatch.setattr(views, "check_weight_dtypes", lambda *a: None)  # what main wrote from it: int16 chunks
     mc = str(tmp_path / "mc")
-    convert.hf2mcore(src, mc, tp=2, progress=False)
+    convert.hf2mcore(src, mc, tp=2, options=convert.Options(progress=False))
     monkeypatch.undo()
     rc, o, err = _cli(capsys, "mcore2hf", "--mcore", mc, "--hf-config", src, "--out", tmp_path / "o", "--no-progress")
     assert rc == 2 and len(err) == 1 and "embedding.word_embeddings.weight is stored as int16" in err[0], err
@@ -176,9 +176,9 @@ def test_a_megatron_source_of_integer_weights_is_refused(tiny_hf_bf16, tmp_path,
 def outputs(tiny_hf, tmp_path_factory):
     d = tmp_path_factory.mktemp("data_outputs")
     o = {"mc": str(d / "mc"), "hf": str(d / "hf"), "vl": str(d / "vl")}
-    convert.hf2mcore(tiny_hf, o["mc"], pp=2, tp=2, progress=False)
-    convert.mcore2hf(o["mc"], o["hf"], tiny_hf, max_shard_size=300_000, progress=False)
-    convert.reshard(tiny_hf, o["vl"], tp=2, progress=False)
+    convert.hf2mcore(tiny_hf, o["mc"], pp=2, tp=2, options=convert.Options(progress=False))
+    convert.mcore2hf(o["mc"], o["hf"], tiny_hf, max_shard_size=300_000, options=convert.Options(progress=False))
+    convert.reshard(tiny_hf, o["vl"], tp=2, options=convert.Options(progress=False))
     return o
 
 
@@ -293,9 +293,9 @@ def test_every_direction_places_every_source_element(tiny_hf, outputs):
         try:
             o = str(outputs["mc"]) + f".{d}"
             if d == "mcore":
-                convert.hf2mcore(tiny_hf, o, pp=2, tp=2, ep=2, progress=False)
+                convert.hf2mcore(tiny_hf, o, pp=2, tp=2, ep=2, options=convert.Options(progress=False))
             else:
-                convert.reshard(tiny_hf, o, tp=8, progress=False)
+                convert.reshard(tiny_hf, o, tp=8, options=convert.Options(progress=False))
         finally:
             driver._check_complete = real
     assert got["mcore"] == want

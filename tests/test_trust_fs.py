@@ -49,7 +49,7 @@ def _tree(d):
 @pytest.fixture(scope="module")
 def mc(tiny_hf, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("trust") / "mc")
-    convert.hf2mcore(tiny_hf, d, spec="local", progress=False)
+    convert.hf2mcore(tiny_hf, d, spec="local", options=convert.Options(progress=False))
     return d
 
 
@@ -273,7 +273,7 @@ def test_directory_appearing_at_out_is_not_replaced(tiny_hf, tmp_path, capsys, m
 def convert_mc(tiny_hf, tmp_path):
     d = str(tmp_path / "src_mc")
     if not os.path.isdir(d):
-        convert.hf2mcore(tiny_hf, d, progress=False)
+        convert.hf2mcore(tiny_hf, d, options=convert.Options(progress=False))
     return d
 
 

@@ -26,7 +26,7 @@ from test_trust_fs import test_sigterm_and_sighup_remove_the_partial_output as _
 @pytest.fixture(scope="module")
 def mc(tiny_hf, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("trust2") / "mc")
-    convert.hf2mcore(tiny_hf, d, spec="local", progress=False)
+    convert.hf2mcore(tiny_hf, d, spec="local", options=convert.Options(progress=False))
     return d
 
 
@@ -65,7 +65,7 @@ def test_lock_file_symlink_or_foreign_file_is_never_written_or_deleted(tiny_hf, 
 def test_user_dirs_named_like_our_staging_dirs_are_never_removed_or_restored(tiny_hf, tmp_path, capsys):
     out = tmp_path / "out"
     backup = tmp_path / "out.old-20241201"  # a dated backup: looked like "OUT.old-PID of a dead process"
-    convert.hf2mcore(tiny_hf, str(backup), progress=False)
+    convert.hf2mcore(tiny_hf, str(backup), options=convert.Options(progress=False))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     partial = tmp_path / f"out.partial-{dead.pid}"
@@ -99,7 +99,7 @@ def test_stale_dirs_are_ours_only_by_record_and_dead_only_by_pid_and_start_time(
 
 def test_a_run_killed_between_the_two_renames_is_restored_by_the_next(tiny_hf, tmp_path):
     out = tmp_path / "out"
-    convert.hf2mcore(tiny_hf, str(out), progress=False)
+    convert.hf2mcore(tiny_hf, str(out), options=convert.Options(progress=False))
     p, release = _start_held(tmp_path, "moved-aside", "hf2mcore", "--hf", tiny_hf, "--out", out, "--tp", 2,
                              "--overwrite", "--no-progress")
     p.kill()  # SIGKILL: not deferred like SIGINT/SIGTERM/SIGHUP
@@ -138,7 +138,7 @@ def test_overwrite_refuses_a_checkpoint_holding_files_we_did_not_write(tiny_hf, 
 def convert_mc(tiny_hf, tmp_path):
     d = tmp_path / "src_mc"
     if not d.exists():
-        convert.hf2mcore(tiny_hf, str(d), progress=False)
+        convert.hf2mcore(tiny_hf, str(d), options=convert.Options(progress=False))
     return d
 
 
@@ -168,7 +168,7 @@ def test_non_utf8_json_files_are_one_line_exit_2(tiny_hf, mc, tmp_path, capsys):
     assert rc == 2
     _one_line(err, "metadata.json", "not valid UTF-8 JSON")
     vl = tmp_path / "vl"
-    convert.reshard(tiny_hf, str(vl), tp=2, progress=False)
+    convert.reshard(tiny_hf, str(vl), tp=2, options=convert.Options(progress=False))
     (vl / "vllm_layout.json").write_bytes(b"\xff\xfe{")
     rc, err = _cli(capsys, "inspect", vl)
     assert rc == 2
@@ -304,7 +304,7 @@ def _row_2(tiny_hf, mc, tmp_path, capsys, monkeypatch):
     _one_line(err, "ckpt-tools hf2mcore: error:", str(empty))
     # single-side verify of a vLLM dir missing a file vLLM loads: the README says 2 (it cannot be opened)
     vl = tmp_path / "vl"
-    convert.reshard(tiny_hf, str(vl), tp=2, progress=False)
+    convert.reshard(tiny_hf, str(vl), tp=2, options=convert.Options(progress=False))
     victim = sorted(f for f in os.listdir(vl) if f.endswith(".safetensors"))[-1]
     os.remove(vl / victim)
     rc, err = _cli(capsys, "verify", "--vllm", vl, "--no-progress")

@@ -28,9 +28,9 @@ def outputs(tiny_hf_bf16, tmp_path_factory):
     """One output of each format, written by the engine (with its manifest)."""
     d = tmp_path_factory.mktemp("trust")
     mc, hf, vl = str(d / "mc"), str(d / "hf"), str(d / "vl")
-    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, ep=2, progress=False)
-    convert.mcore2hf(mc, hf, tiny_hf_bf16, progress=False)
-    convert.reshard(tiny_hf_bf16, vl, tp=2, progress=False)
+    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, ep=2, options=convert.Options(progress=False))
+    convert.mcore2hf(mc, hf, tiny_hf_bf16, options=convert.Options(progress=False))
+    convert.reshard(tiny_hf_bf16, vl, tp=2, options=convert.Options(progress=False))
     return {"mcore": mc, "hf": hf, "vllm": vl, "src": tiny_hf_bf16}
 
 
@@ -159,12 +159,12 @@ def test_mixed_dtypes_convert_each_tensor_in_its_own_dtype(mixed_hf, tmp_path, c
     fp32 = {n for n in src.names() if src.dtype_of(n) == torch.float32}
     assert src.dtype is None and fp32 and all("norm" in n for n in fp32) and len(fp32) < len(src.names())
     mc, back, vl, cast = (str(tmp_path / x) for x in ("mc", "back", "vl", "cast"))
-    convert.hf2mcore(mixed_hf, mc, tp=2, ep=2, progress=False)
+    convert.hf2mcore(mixed_hf, mc, tp=2, ep=2, options=convert.Options(progress=False))
     _, sdm = _storage(mc)
     assert sdm["decoder.layers.self_attention.linear_qkv.layer_norm_weight"].properties.dtype == torch.float32
     assert sdm["decoder.final_layernorm.weight"].properties.dtype == torch.float32
     assert sdm["decoder.layers.self_attention.linear_qkv.weight"].properties.dtype == torch.bfloat16
-    convert.mcore2hf(mc, back, mixed_hf, progress=False)
+    convert.mcore2hf(mc, back, mixed_hf, options=convert.Options(progress=False))
     out = HFView(back)
     assert {n: out.dtype_of(n) for n in out.names()} == {n: src.dtype_of(n) for n in src.names()}
     for n in src.names():  # bitwise, each in its own dtype
@@ -172,11 +172,11 @@ def test_mixed_dtypes_convert_each_tensor_in_its_own_dtype(mixed_hf, tmp_path, c
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
     rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--mcore", mc, "--no-progress")
     assert rc == 0 and "201 tensors compared bitwise, 0 differ," in txt, txt
-    convert.reshard(mc, vl, tp=2, hf_config=mixed_hf, progress=False)
+    convert.reshard(mc, vl, tp=2, hf_config=mixed_hf, options=convert.Options(progress=False))
     rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--vllm", vl, "--no-progress")
     assert rc == 0, txt
     # an explicit --dtype bf16 rounds the fp32 norms: a difference, unless --allow-cast, which counts them
-    convert.mcore2hf(mc, cast, mixed_hf, dtype="bf16", progress=False)
+    convert.mcore2hf(mc, cast, mixed_hf, dtype="bf16", options=convert.Options(progress=False))
     rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--hf2", cast, "--no-progress")
     assert rc == 1 and f"{len(fp32)} differ" in txt and "--allow-cast" in txt, txt
     rc, txt = _cli(capsys, "verify", "--hf", mixed_hf, "--hf2", cast, "--no-progress", "--allow-cast")
@@ -213,8 +213,8 @@ def test_verify_memory_stays_bounded_with_a_tensor_larger_than_max_memory(tiny_h
     max_mem = 64 << 20
     assert emb >= 4 * max_mem  # 268 MB
     mc, tiny_mc = str(tmp_path / "mc"), str(tmp_path / "tiny_mc")
-    convert.hf2mcore(big, mc, progress=False)
-    convert.hf2mcore(tiny_hf_bf16, tiny_mc, progress=False)
+    convert.hf2mcore(big, mc, options=convert.Options(progress=False))
+    convert.hf2mcore(tiny_hf_bf16, tiny_mc, options=convert.Options(progress=False))
     mm = ["--max-memory", "64MiB", "--no-progress"]
     for big_args, tiny_args in (
             (["--hf", big, "--mcore", mc], ["--hf", tiny_hf_bf16, "--mcore", tiny_mc]),
@@ -298,7 +298,7 @@ def test_a_wrong_vllm_buffer_value_is_reported(outputs, tmp_path, capsys):
     from ckpt_tools.formats.hf import HFReader
 
     bad = str(tmp_path / "vl")  # vLLM 0.32's names (the default follows the installed vLLM; 0.10.1 has no buffers)
-    convert.reshard(outputs["src"], bad, tp=2, vllm_version="0.32.0", progress=False)
+    convert.reshard(outputs["src"], bad, tp=2, vllm_version="0.32.0", options=convert.Options(progress=False))
     fn = "model-rank-1-part-0.safetensors"
     name = "model.layers.1.self_attn.attn._k_scale"
     fp, off, shape, dt = HFReader(bad, only=fn)._rec_args[name]
@@ -322,7 +322,7 @@ def test_the_megatron_structure_check_reads_no_chunk_data(tmp_path):
     hf, mc = str(tmp_path / "hf"), str(tmp_path / "mc")
     make_synthetic_hf(hf, dict(TINY, hidden_size=512, vocab_size=4096, num_hidden_layers=2, moe_intermediate_size=256,
                                num_experts=4, head_dim=64), progress=False)
-    convert.hf2mcore(hf, mc, tp=2, ep=2, progress=False)
+    convert.hf2mcore(hf, mc, tp=2, ep=2, options=convert.Options(progress=False))
     data = sum(os.path.getsize(os.path.join(mc, f)) for f in os.listdir(mc) if f.endswith(".distcp"))
     assert TorchDistReader(mc).structure() == []  # first: torch.load's own imports and caches
 

@@ -32,7 +32,7 @@ def _cli(capsys, *argv):
 @pytest.fixture(scope="module")
 def vl(tiny_hf, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("numbers") / "vl")
-    convert.reshard(tiny_hf, d, tp=2, progress=False)
+    convert.reshard(tiny_hf, d, tp=2, options=convert.Options(progress=False))
     return d
 
 
@@ -104,7 +104,7 @@ def test_python_api_timeout_and_vocab_multiple_are_checked(tiny_hf, tmp_path):
         with pytest.raises(InputError, match="--dist-timeout"):
             join(t)
     with pytest.raises(LayoutError, match="--make-vocab-size-divisible-by"):
-        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), vocab_size_divisible_by=-96, progress=False)
+        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), vocab_size_divisible_by=-96, options=convert.Options(progress=False))
     assert not os.path.exists(tmp_path / "o")
 
 
@@ -212,7 +212,7 @@ def test_a_side_car_source_is_resolved_against_its_record(tiny_hf, tmp_path, cap
 
     mc = tmp_path / "runs" / "mc"
     mc.parent.mkdir()
-    convert.hf2mcore(tiny_hf, str(mc), progress=False)
+    convert.hf2mcore(tiny_hf, str(mc), options=convert.Options(progress=False))
     side = mc / SIDE_CAR
     rec = json.load(open(side))
     hf = tmp_path / "models" / "hf"
@@ -269,7 +269,7 @@ def no_ranks(tiny_hf, tmp_path):
     """What `reshard --to vllm --tp 2 --dp 0` wrote before the fix: a record of 0 ranks and no shard file (made by
     hand now: the layout of DP 0 cannot even be built any more)."""
     d = str(tmp_path / "v0")
-    convert.reshard(tiny_hf, d, tp=2, progress=False)
+    convert.reshard(tiny_hf, d, tp=2, options=convert.Options(progress=False))
     rec_path = os.path.join(d, "vllm_layout.json")
     rec = json.load(open(rec_path))
     rec.update(dp=0, world=0)

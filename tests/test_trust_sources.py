@@ -28,8 +28,8 @@ def srcs(tiny_hf_bf16, tmp_path_factory):
     """Sources written by us (with a manifest): torch_dist (TP2 EP2) and HF; plus the original HF (none)."""
     d = tmp_path_factory.mktemp("sources")
     mc, hf = str(d / "mc"), str(d / "hf")
-    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, ep=2, progress=False)
-    convert.mcore2hf(mc, hf, tiny_hf_bf16, progress=False)
+    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, ep=2, options=convert.Options(progress=False))
+    convert.mcore2hf(mc, hf, tiny_hf_bf16, options=convert.Options(progress=False))
     return {"mcore": mc, "hf": hf, "cfg": tiny_hf_bf16}
 
 
@@ -78,15 +78,15 @@ def test_flipped_source_byte_stops_every_reading_direction(srcs, direction, wher
 
 def test_intact_source_is_checked_as_it_streams(srcs, tmp_path):
     """No false alarm, and the data is hashed as the engine reads it (no second read of the source)."""
-    for kind, run in (("mcore", lambda o: convert.mcore2hf(srcs["mcore"], o, srcs["cfg"], progress=False)),
-                      ("hf", lambda o: convert.hf2mcore(srcs["hf"], o, tp=2, ep=2, progress=False))):
+    for kind, run in (("mcore", lambda o: convert.mcore2hf(srcs["mcore"], o, srcs["cfg"], options=convert.Options(progress=False))),
+                      ("hf", lambda o: convert.hf2mcore(srcs["hf"], o, tp=2, ep=2, options=convert.Options(progress=False)))):
         man = load_manifest(srcs[kind])
         data = sum(r[1] for e in man["files"].values() for r in e["ranges"] if r[3] != "-")
         st = run(str(tmp_path / kind))["engine"]
         assert st["source_stream_bytes"] + st["source_rehash_bytes"] >= data, (st, data)
         assert st["source_rehash_bytes"] <= data // 4, st  # most of it hashed from the read buffers
     # a source without a manifest converts as before (nothing to check against)
-    st = convert.hf2mcore(srcs["cfg"], str(tmp_path / "plain"), progress=False)["engine"]
+    st = convert.hf2mcore(srcs["cfg"], str(tmp_path / "plain"), options=convert.Options(progress=False))["engine"]
     assert "source_stream_bytes" not in st
 
 
@@ -123,11 +123,11 @@ def test_holes_inside_a_range_are_read_for_the_check_not_reread_after(srcs, tmp_
     from ckpt_tools.copy import engine
 
     ref = str(tmp_path / "ref")
-    convert.reshard(srcs["mcore"], ref, tp=8, hf_config=srcs["cfg"], progress=False)
+    convert.reshard(srcs["mcore"], ref, tp=8, hf_config=srcs["cfg"], options=convert.Options(progress=False))
     monkeypatch.setattr(engine.Engine, "GAP_FILL", 0)
     monkeypatch.setattr(engine.Engine, "MIN_CAP", 16 << 10)  # with max_memory=1: units of ~8 KiB
     out = str(tmp_path / "out")
-    st = convert.reshard(srcs["mcore"], out, tp=8, hf_config=srcs["cfg"], progress=False, max_memory=1)["engine"]
+    st = convert.reshard(srcs["mcore"], out, tp=8, hf_config=srcs["cfg"], options=convert.Options(progress=False, max_memory=1))["engine"]
     assert st["units"] > 100, st
     assert st["fill_bytes"] > 0 and st["source_rehash_bytes"] == 0, st
     man = load_manifest(srcs["mcore"])
@@ -241,7 +241,7 @@ def test_a_record_like_a_whole_one_is_whole_only_when_its_structure_bytes_are(sr
 # ------------------------------------------------------------------------------------- vLLM: every file it reads
 def test_extra_vllm_part_file_is_caught(srcs, tmp_path, capsys):
     vl = str(tmp_path / "vl")
-    convert.reshard(srcs["hf"], vl, tp=2, progress=False)
+    convert.reshard(srcs["hf"], vl, tp=2, options=convert.Options(progress=False))
     assert _cli(capsys, "verify", "--vllm", vl)[0] == 0
     shutil.copy(os.path.join(vl, "model-rank-1-part-0.safetensors"), os.path.join(vl, "model-rank-1-part-1.safetensors"))
     rc, txt = _cli(capsys, "verify", "--vllm", vl)

@@ -27,7 +27,7 @@ def test_real_config_fixture():
 @pytest.fixture(scope="module")
 def twin_mcore(twin_hf, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("twin") / "mc")
-    convert.hf2mcore(twin_hf, out, spec="te", progress=False, workers=2, **TOPO)
+    convert.hf2mcore(twin_hf, out, spec="te", **TOPO, options=convert.Options(progress=False, workers=2))
     return out
 
 
@@ -130,8 +130,8 @@ def test_twin_vllm_tp8_shards_equal_reference(twin_hf, twin_mcore, tmp_path, ep)
     cfg = hf.cfg
     out = str(tmp_path / "vllm")
     # the users' vLLM (0.10.1 names: mlp.experts.w13_weight, mlp.gate.weight, no attention scale buffers)
-    convert.reshard(twin_mcore, out, tp=8, ep=ep if ep > 1 else None, hf_config=twin_hf, progress=False,
-                    vllm_version="0.10.1")
+    convert.reshard(twin_mcore, out, tp=8, ep=ep if ep > 1 else None, hf_config=twin_hf,
+                    vllm_version="0.10.1", options=convert.Options(progress=False))
     vv = VllmView(out)
     assert vv.integrity() == []
     shapes = {}

@@ -30,7 +30,7 @@ def dirs(tmp_path_factory):
                      ("v032_tp2", dict(tp=2, vllm_version="0.32.0")),
                      ("v032_dp2", dict(tp=1, dp=2, expert_parallel=True, vllm_version="0.32.0"))]:
         out[name] = str(d / name)
-        convert.reshard(hf, out[name], hf_config=hf, progress=False, **kw)
+        convert.reshard(hf, out[name], hf_config=hf, **kw, options=convert.Options(progress=False))
     return out
 
 

@@ -40,11 +40,11 @@ def make_ckpts(d, outputs, vllm_version: str) -> dict:
 
     out = {"hf": make_tiny_hf(os.path.join(str(d), "hf"), dtype=torch.bfloat16, seed=3, **TINY_VLLM),
            "mcore": os.path.join(str(d), "mcore")}
-    convert.hf2mcore(out["hf"], out["mcore"], pp=2, tp=2, ep=2, progress=False)
+    convert.hf2mcore(out["hf"], out["mcore"], pp=2, tp=2, ep=2, options=convert.Options(progress=False))
     for name, src, kw in outputs:
         out[name] = os.path.join(str(d), name)
-        convert.reshard(out[src], out[name], hf_config=out["hf"], progress=False,
-                        **{"vllm_version": vllm_version, **kw})
+        convert.reshard(out[src], out[name], hf_config=out["hf"],
+                        **{"vllm_version": vllm_version, **kw}, options=convert.Options(progress=False))
     return out
 
 

@@ -28,6 +28,13 @@ def _prog(args) -> bool:
     return not getattr(args, "no_progress", False)
 
 
+def _options(args) -> convert.Options:
+    """A conversion command's run settings (the flags every conversion shares) as the API's one object."""
+    return convert.Options(workers=args.workers, max_memory=args.max_memory, progress=_prog(args),
+                           direct_io=not args.buffered_io, io_threads=args.io_threads,
+                           dist_timeout=args.dist_timeout, divide=args.divide, overwrite=args.overwrite)
+
+
 def _dump(obj, path):
     if path == "-":
         json.dump(obj, sys.stdout, indent=1)
@@ -195,9 +202,7 @@ def _print_delta(s, o, d):
 def cmd_hf2mcore(args) -> int:
     r = convert.hf2mcore(args.hf, args.out, pp=args.pp, tp=args.tp, ep=args.ep, etp=args.etp, first=args.first,
                          last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
-                         workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
-                         vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
+                         vocab_size_divisible_by=args.vocab_div, no_mtp=args.no_mtp, options=_options(args))
     print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
     return 0
@@ -206,10 +211,8 @@ def cmd_hf2mcore(args) -> int:
 def cmd_mcore2hf(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.mcore, "mcore2hf") if os.path.isdir(args.mcore) else None)
     r = convert.mcore2hf(args.mcore, args.out, hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                         workers=args.workers, overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args),
-                         max_memory=args.max_memory, direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
-                         optimizer_out=args.optimizer_out)
+                         prefix=args.prefix, no_mtp=args.no_mtp, optimizer_out=args.optimizer_out,
+                         options=_options(args))
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards "
           f"(spec {r['spec']}, prefix {r['prefix']!r}) in {r['seconds']:.1f}s")
     for state, o in r.get("optimizer", {}).items():
@@ -220,11 +223,8 @@ def cmd_mcore2hf(args) -> int:
 
 def cmd_fsdp2hf(args) -> int:
     r = convert.fsdp2hf(args.fsdp, args.out, args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                        workers=args.workers, overwrite=args.overwrite, progress=_prog(args),
-                        max_memory=args.max_memory, direct_io=not args.buffered_io, io_threads=args.io_threads,
-                        dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
-                        merge_lora=args.merge_lora, lora_adapter_out=args.lora_adapter_out,
-                        lora_alpha=args.lora_alpha, lora_rslora=args.lora_rslora)
+                        no_mtp=args.no_mtp, merge_lora=args.merge_lora, lora_adapter_out=args.lora_adapter_out,
+                        lora_alpha=args.lora_alpha, lora_rslora=args.lora_rslora, options=_options(args))
     f = r["fsdp"]
     print(f"wrote {r['out']}: {r['tensors']} tensors, {fmt_bytes(r['bytes'])} in {r['shards']} shards from FSDP"
           f"{f['fsdp_version']} world {f['world_size']} ({r['dtype']}) in {r['seconds']:.1f}s"
@@ -244,11 +244,9 @@ def cmd_reshard_mcore(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.src, "reshard") if convert.is_mcore(args.src) else None)
     r = convert.mcore2mcore(args.src, args.out, hf_config, pp=args.pp, tp=args.tp or 1, ep=args.ep or 1,
                             etp=args.etp, first=args.first, last=args.last, layer_list=args.layer_list,
-                            spec=args.spec or "te", dtype=args.dtype, workers=args.workers, max_memory=args.max_memory,
-                            overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
-                            progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
-                            dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
-                            keep_optimizer=args.keep_optimizer)
+                            spec=args.spec or "te", dtype=args.dtype, vocab_size_divisible_by=args.vocab_div,
+                            prefix=args.prefix, no_mtp=args.no_mtp, keep_optimizer=args.keep_optimizer,
+                            options=_options(args))
     what = (f"model weights + optimizer state ({', '.join(r['optimizer_states'])} of {r['optimizer_params']} "
             f"parameters, {fmt_bytes(r['optimizer_bytes'])}) + the source's common.pt"
             if args.keep_optimizer else f"model weights only: {r['dropped']} other entries dropped")
@@ -275,11 +273,8 @@ def cmd_reshard_vllm(args) -> int:
     r = convert.reshard(args.src, args.out, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
                         ep=args.ep, hf_config=args.hf_config or (find_hf_config(args.src, "reshard")
                                                                  if convert.is_mcore(args.src) else None),
-                        dtype=args.dtype, workers=args.workers,
-                        overwrite=args.overwrite, prefix=args.prefix, progress=_prog(args), max_memory=args.max_memory,
-                        direct_io=not args.buffered_io, io_threads=args.io_threads, dist_timeout=args.dist_timeout,
-                        divide=args.divide,
-                        vllm_version=args.vllm_version, no_mtp=args.no_mtp)
+                        dtype=args.dtype, prefix=args.prefix, vllm_version=args.vllm_version, no_mtp=args.no_mtp,
+                        options=_options(args))
     where = ", ".join(f"{r['out']}/{d}" if d else r["out"] for d in r["dirs"])
     print(f"wrote {r['out']}: {r['layout']} for vLLM {r['vllm_version']}, {r['files']} rank files in {where}, "
           f"{fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")

@@ -90,15 +90,15 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
 
 
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
-             spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
-             vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-             divide="files", no_mtp=False) -> dict:
-    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
-    output = _guarded(out, "mcore", overwrite, {"--hf": hf})
+             spec="te", dtype=None, vocab_size_divisible_by=None, no_mtp=False, *,
+             options: Options = Options()) -> dict:
+    """HF safetensors ``hf`` -> a torch_dist checkpoint ``out`` for the Megatron topology and loader ``spec``
+    (docs/api.md)."""
+    output = _guarded(out, "mcore", options.overwrite, {"--hf": hf})
     cfg = load_config(hf, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     return _to_mcore(output, hf, "hf2mcore", lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
-                     vocab_size_divisible_by, opts)[1]
+                     vocab_size_divisible_by, options)[1]
 
 
 def _guarded(out, kind, overwrite, inputs) -> Output:
@@ -152,9 +152,8 @@ def _dt_name(dt, keys) -> str:
 
 
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
-                layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
-                vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False) -> dict:
+                layer_list=None, spec="te", dtype=None, vocab_size_divisible_by=None, prefix=None, no_mtp=False,
+                keep_optimizer=False, *, options: Options = Options()) -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
@@ -168,15 +167,12 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
             raise FormatError(f"--keep-optimizer: {src} is a verl FSDP checkpoint, whose optimizer files are not "
                               f"read; its model weights convert without the flag")
         return fsdp2mcore(src, out, hf_config, pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last,
-                          layer_list=layer_list, spec=spec, dtype=dtype, workers=workers, max_memory=max_memory,
-                          overwrite=overwrite, vocab_size_divisible_by=vocab_size_divisible_by, progress=progress,
-                          direct_io=direct_io, io_threads=io_threads, dist_timeout=dist_timeout, divide=divide,
-                          no_mtp=no_mtp)
+                          layer_list=layer_list, spec=spec, dtype=dtype,
+                          vocab_size_divisible_by=vocab_size_divisible_by, no_mtp=no_mtp, options=options)
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
-    output = _guarded(out, "mcore", overwrite, inputs)
+    output = _guarded(out, "mcore", options.overwrite, inputs)
     cfg = load_config(hf_config, no_mtp or recorded_without_mtp(src))
     if not is_mcore(src):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
@@ -184,7 +180,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     view, res = _to_mcore(output, src, "reshard",
                           lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
-                          vocab_size_divisible_by, opts, keep_optimizer)
+                          vocab_size_divisible_by, options, keep_optimizer)
     res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
     return res
 
@@ -213,26 +209,24 @@ def _side_dir(cfg_path: str) -> str:
     return cfg_path if os.path.isdir(cfg_path) else os.path.dirname(cfg_path)
 
 
-def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
-             overwrite=False, prefix=None, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8,
-             dist_timeout=None, divide="files", no_mtp=False, optimizer_out=None) -> dict:
+def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 * 10 ** 9, prefix=None,
+             no_mtp=False, optimizer_out=None, *, options: Options = Options()) -> dict:
     """A torch_dist checkpoint -> HF safetensors (model weights only). ``optimizer_out``: also each optimizer state
     of a training checkpoint (fp32_param, exp_avg, exp_avg_sq) as an HF dir ``optimizer_out/<state>`` of float32
     tensors under the weights' HF names (:func:`_optimizer_to_hf`)."""
     if not hf_config:
         raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
-    output = _guarded(out, "hf", overwrite, inputs)
+    output = _guarded(out, "hf", options.overwrite, inputs)
     cfg = load_config(hf_config, no_mtp or recorded_without_mtp(mcore))  # written with --no-mtp: read so
-    cache = max(64 << 20, max_memory // (4 * max(1, workers)))
+    cache = max(64 << 20, options.max_memory // (4 * max(1, options.workers)))
     dt = _dtype(dtype, None)  # None: each tensor in its source's dtype (the dtype rule: McoreView.source_dtype)
     dts = {}
 
     def open_src():
         return McoreView(mcore, cfg, prefix=prefix, cache_bytes=cache)
 
-    state_outs, opt = _optimizer_outputs(optimizer_out, open_src, overwrite, {**inputs, "--out": out}) \
+    state_outs, opt = _optimizer_outputs(optimizer_out, open_src, options.overwrite, {**inputs, "--out": out}) \
         if optimizer_out is not None else ({}, None)
 
     def destination(view):
@@ -240,10 +234,10 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size,
                              functools.partial(_hf_ops, view), _side_dir(hf_config), cfg.raw, cfg.config_edits())
 
-    view, _, res = convert(Job(output, "mcore2hf", mcore, open_src, destination), opts, FormatError)
+    view, _, res = convert(Job(output, "mcore2hf", mcore, open_src, destination), options, FormatError)
     res.update(spec=view.spec, prefix=view.ckpt.prefix, dtype="+".join(sorted(set(map(str, dts.values())))))
     if state_outs:
-        res["optimizer"] = {state: _optimizer_to_hf(o, opt, state, max_shard_size, hf_config, cfg, opts)
+        res["optimizer"] = {state: _optimizer_to_hf(o, opt, state, max_shard_size, hf_config, cfg, options)
                             for state, o in state_outs.items()}
     return res
 
@@ -301,9 +295,8 @@ def open_source(path: str, hf_config: str | None, prefix=None, no_mtp=False):
 
 
 def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel: bool = False, ep: int | None = None,
-            hf_config: str | None = None, dtype=None, workers=2, overwrite=False, prefix=None, progress=True,
-            max_memory=4 << 30, direct_io=True, io_threads=8, vllm_version: str | None = None,
-            dist_timeout=None, divide="files", no_mtp=False) -> dict:
+            hf_config: str | None = None, dtype=None, prefix=None, vllm_version: str | None = None,
+            no_mtp=False, *, options: Options = Options()) -> dict:
     """Write what vLLM ``vllm_version`` loads with ``load_format="sharded_state"``: one file per TP rank named
     as its ShardedStateLoader expects (converters/vllm_names.py), tensor names and extra buffers of that version,
     checkpoint format; with DP > 1 and expert parallel one such directory per DP rank (``dp_{k}``); plus
@@ -311,9 +304,8 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
     vllm/model_executor/models/utils.py, its MTP draft is another model): the source is read as ``--no-mtp`` reads
     it, whatever ``no_mtp`` says, and the written config.json says so."""
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     par = vllm_parallel(tp, dp, expert_parallel, ep)  # the rule plan --vllm-* uses
-    output = _guarded(out, "vllm", overwrite, inputs)
+    output = _guarded(out, "vllm", options.overwrite, inputs)
     try:
         version, names = vllm_names.table(vllm_version)
     except vllm_names.UnknownVersion as e:
@@ -334,20 +326,18 @@ def reshard(src: str, out: str, tp: int, dp: int | None = None, expert_parallel:
                                version, _side_dir(side), src)
 
     view, _, res = convert(Job(output, "reshard", src, lambda: open_source(src, hf_config, prefix, True),
-                               destination), opts, FormatError)
+                               destination), options, FormatError)
     res.update(mtp_left_out=view.cfg.mtp_dropped)
     return res
 
 
-def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, workers: int = 2,
-                     max_memory: int = 4 << 30, progress: bool = True, overwrite: bool = False,
-                     direct_io: bool = True, io_threads: int = 8, inputs: dict | None = None,
-                     label: str = "hf2mcore") -> dict:
+def write_torch_dist(out_dir: str, layout, source, dtype: torch.dtype, inputs: dict | None = None,
+                     label: str = "hf2mcore", *, options: Options = Options()) -> dict:
     """Write ``layout`` filled from the view ``source`` to ``out_dir`` (:class:`TorchDistDestination` through
     the conversion driver, without a source integrity gate: the caller opened ``source``)."""
-    job = Job(Output(out_dir, "mcore", overwrite, inputs, DistCkptError), label, None, lambda: source,
+    job = Job(Output(out_dir, "mcore", options.overwrite, inputs, DistCkptError), label, None, lambda: source,
               lambda view: TorchDistDestination(layout, view, dtype))
-    return convert(job, Options(workers, max_memory, progress, direct_io, io_threads), DistCkptError)[2]
+    return convert(job, options, DistCkptError)[2]
 
 
 def _fsdp_config(src: str, hf_config: str | None, no_mtp: bool):
@@ -358,31 +348,27 @@ def _fsdp_config(src: str, hf_config: str | None, no_mtp: bool):
 
 
 def fsdp2mcore(src: str, out: str, hf_config: str | None = None, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
-               layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
-               vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-               divide="files", no_mtp=False, lora=None) -> dict:
+               layer_list=None, spec="te", dtype=None, vocab_size_divisible_by=None, no_mtp=False, lora=None, *,
+               options: Options = Options()) -> dict:
     """``reshard --from`` a verl FSDP checkpoint ``--to mcore``: its model weights as hf2mcore writes them."""
     inputs = {"--from": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
-    output = _guarded(out, "mcore", overwrite, inputs)
+    output = _guarded(out, "mcore", options.overwrite, inputs)
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     view, res = _to_mcore(output, src, "fsdp2mcore", lambda: FsdpView(src, cfg, lora=lora), cfg, topo, spec,
-                          dtype, vocab_size_divisible_by, opts)
+                          dtype, vocab_size_divisible_by, options)
     res.update(dropped=0, source_prefix="")
     return res
 
 
-def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_shard_size=5 * 10 ** 9, workers=2,
-            overwrite=False, progress=True, max_memory=4 << 30, direct_io=True, io_threads=8, dist_timeout=None,
-            divide="files", no_mtp=False, merge_lora=False, lora_adapter_out=None, lora_alpha=None,
-            lora_rslora=False) -> dict:
+def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_shard_size=5 * 10 ** 9, no_mtp=False,
+            merge_lora=False, lora_adapter_out=None, lora_alpha=None, lora_rslora=False, *,
+            options: Options = Options()) -> dict:
     """A verl FSDP checkpoint (``global_step_N/actor``: FSDP1 / FSDP2 rank files, formats/fsdp.py) -> HF
     safetensors: mcore2hf's counterpart, the same driver and engine (manifest, atomic publish). Optimizer and
     extra-state files are not read. A LoRA checkpoint needs ``merge_lora`` or ``lora_adapter_out``."""
     inputs = {"--fsdp": src, "--hf-config": hf_config}
-    opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
-    output = _guarded(out, "hf", overwrite, inputs)
+    output = _guarded(out, "hf", options.overwrite, inputs)
     if merge_lora and lora_adapter_out:
         raise FormatError("--merge-lora and --lora-adapter-out are two different outputs: give one")
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
@@ -405,11 +391,11 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
         return opened[-1]
 
     try:
-        view, _, res = convert(Job(output, "fsdp2hf", src, open_src, destination), opts, FormatError)
+        view, _, res = convert(Job(output, "fsdp2hf", src, open_src, destination), options, FormatError)
     finally:
         if opened and lora == "merge":
             cleanup(opened[-1])
     if lora == "adapter":
-        res["adapter"] = write_adapter(view, lora_adapter_out, overwrite)
+        res["adapter"] = write_adapter(view, lora_adapter_out, options.overwrite)
     res.update(fsdp=view.describe(), dtype="+".join(sorted(set(map(str, dts.values())))))
     return res

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from ..copy import engine
@@ -38,14 +39,19 @@ from ..verify import checked_source
 from ..verify.compare import equal_bits
 
 
-class Options(NamedTuple):
-    workers: int = 2
-    max_memory: int = 4 << 30
-    progress: bool = True
-    direct_io: bool = True
-    io_threads: int = 8
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The run settings every conversion shares, each the CLI flag of the same name (docs/api.md): given by name,
+    the defaults are the CLI's. One object for every function of :mod:`ckpt_tools.convert` (``options=``)."""
+
+    workers: int = 2  # --workers: copy threads
+    max_memory: int = 4 << 30  # --max-memory: bound on in-flight buffers (bytes)
+    progress: bool = True  # not --no-progress
+    direct_io: bool = True  # not --buffered-io
+    io_threads: int = 8  # --io-threads: O_DIRECT requests in flight
     dist_timeout: float | None = None  # under torchrun: seconds a rank may be silent (None: the default)
     divide: str = "files"  # under torchrun: DIVIDE[0] by bytes, whole files first; DIVIDE[1] by source order
+    overwrite: bool = False  # --overwrite: replace an existing --out (only after the new one is complete)
 
 
 class Job(NamedTuple):
