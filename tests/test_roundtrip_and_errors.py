@@ -279,3 +279,57 @@ def test_plan_real_235b(capsys, tmp_path):
     assert p["files"] == 128
     assert p["vllm"]["padded_vocab"] == 151936
     assert "predicted hf2mcore time" in out
+
+
+# issue 54: a source path that does not exist, said so by its flag (no presets offered: they hold no weights)
+MISSING = [
+    (["hf2mcore", "--hf", "{m}", "--out", "{o}"], "--hf"),
+    (["mcore2hf", "--mcore", "{m}", "--out", "{o}"], "--mcore"),  # (was: "--hf-config is needed to read ...")
+    (["mcore2hf", "--mcore", "{mc}", "--hf-config", "{m}", "--out", "{o}"], "--hf-config"),
+    (["fsdp2hf", "--fsdp", "{m}", "--out", "{o}"], "--fsdp"),  # (was: "a verl FSDP checkpoint without ...")
+    (["fsdp2hf", "--fsdp", "{mc}", "--hf-config", "{m}", "--out", "{o}"], "--hf-config"),
+    (["reshard", "--from", "{m}", "--to", "vllm", "--tp", "2", "--out", "{o}"], "--from"),
+    (["reshard", "--from", "{m}", "--to", "mcore", "--out", "{o}"], "--from"),
+    (["reshard", "--from", "{mc}", "--to", "mcore", "--hf-config", "{m}", "--out", "{o}"], "--hf-config"),
+    (["verify", "--hf", "{m}"], "--hf"),
+    (["verify", "--mcore", "{mc}", "--mcore", "{m}"], "--mcore"),
+    (["verify", "--vllm", "{m}", "--hf", "{mc}"], "--vllm"),
+    (["verify", "--fsdp", "{m}"], "--fsdp"),
+    (["verify", "--hf", "{mc}", "--hf2", "{m}"], "--hf2"),
+    (["verify", "--mcore", "{mc}", "--hf-config", "{m}"], "--hf-config"),
+    (["inspect", "{mc}", "--hf-config", "{m}"], "--hf-config"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", MISSING, ids=[" ".join(a[:2]) + " " + f for a, f in MISSING])
+def test_a_missing_source_path_is_said_so_by_its_flag(tmp_path, capsys, argv, flag):
+    missing, mc, out = str(tmp_path / "no" / "such"), str(tmp_path / "mc"), str(tmp_path / "out")
+    os.makedirs(mc)  # the other side exists (empty): the missing one is what is named, before anything else
+    rc = cli.main([a.format(m=missing, mc=mc, o=out) for a in argv] + ["--no-progress"] * (argv[0] != "inspect"))
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and err == [f"ckpt-tools {argv[0]}: error: {flag} {missing}: no such file or directory"], err
+    assert not os.path.exists(out)
+
+
+def test_a_config_alone_offers_presets_only_to_plan(tmp_path, capsys):
+    """Issue 54: the presets hold no weights: offered where a config alone serves (plan), not where a model dir
+    does (a conversion's source, its --hf-config); the API says the same as the command line."""
+    empty, missing = str(tmp_path / "empty"), str(tmp_path / "missing")
+    os.makedirs(empty)
+    assert cli.main(["hf2mcore", "--hf", empty, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"no HF config at {empty}: no config.json in it (expected an HF model dir or its config.json)" in err, err
+    assert cli.main(["hf2mcore", "--hf", "qwen3-235b-a22b", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "--hf qwen3-235b-a22b: no such file or directory" in capsys.readouterr().err  # a preset is no model dir
+    for argv in (["plan", "--config", missing], ["plan", "--config", empty]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "one of the presets" in err and "qwen3-235b-a22b" in err, err
+    for fn, args, flag in ((convert.hf2mcore, (missing, str(tmp_path / "o")), "--hf"),
+                           (convert.mcore2hf, (empty, str(tmp_path / "o"), missing), "--hf-config"),
+                           (convert.reshard, (missing, str(tmp_path / "o"), 2), "--from"),
+                           (convert.mcore2mcore, (missing, str(tmp_path / "o"), empty), "--from"),
+                           (convert.fsdp2hf, (missing, str(tmp_path / "o")), "--fsdp")):
+        msg = _err(fn, *args, match=f"{flag} {missing}: no such file or directory")
+        assert "presets" not in msg and "\n" not in msg
+    assert not os.path.exists(tmp_path / "o")

@@ -248,8 +248,8 @@ def test_torchrun_a_rank_failing_before_joining_is_named_by_the_others(tiny_hf_b
     assert codes == {0: 4, 1: 2}, (codes, err[-3000:])
     one = [ln for ln in mine if "rank 1: error:" in ln]
     zero = [ln for ln in mine if "rank 0: error:" in ln]
-    assert len(one) == 1 and "no HF config at hf" in one[0], mine
-    assert len(zero) == 1 and "rank 1 (" in zero[0] and "failed before joining: no HF config at hf" in zero[0], mine
+    assert len(one) == 1 and "--hf hf: no such file or directory" in one[0], mine
+    assert len(zero) == 1 and "rank 1 (" in zero[0] and "failed before joining: --hf hf: no such file" in zero[0], mine
     assert len(mine) == 2, mine
     assert not os.path.exists(tmp_path / "mc")
 

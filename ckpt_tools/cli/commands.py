@@ -11,6 +11,7 @@ import sys
 from .. import convert
 from ..convert.directions import DTYPES, megatron_parallel
 from ..convert.estimate import STARTUP_SECONDS, fmt_bytes, plan_megatron, plan_vllm, predict, predict_distributed
+from ..core.errors import InputError
 from ..core.files import read_json
 from ..core.lazy import ITEMSIZE, torch_dtype
 from ..formats.fp8 import BlockScaledReader, format_fp8
@@ -22,6 +23,7 @@ from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
 from ..torchrun import ranks as distributed
 from ..verify import check_one, inspect_checks, print_notes, print_one, print_report, verify, verify_optimizer
+from .parser import missing_source
 
 
 def _prog(args) -> bool:
@@ -310,7 +312,7 @@ def cmd_verify(args) -> int:
     # hf2mcore --no-mtp) is compared on the main model only, as --no-mtp would: not asked for
     no_mtp = args.no_mtp or (len(given) == 2 and (bool(args.vllm) or any(
         recorded_without_mtp(p) for k, p in given if k == "mcore")))
-    cfg = load_config(cfg_src, no_mtp) if cfg_src else None
+    cfg = load_config(cfg_src, no_mtp, presets=False) if cfg_src else None
     if cfg is None and any(k == "mcore" for k, _ in given):
         print("ckpt-tools verify: error: --mcore needs --hf or --hf-config for the model config", file=sys.stderr)
         return 2
@@ -439,7 +441,7 @@ def format_training(t: dict) -> str:
 
 def cmd_inspect(args) -> int:
     hf_config = args.hf_config or (find_hf_config(args.path, "inspect") if convert.is_mcore(args.path) else None)
-    cfg = load_config(hf_config, recorded_without_mtp(args.path)) if hf_config else None  # as it was written
+    cfg = load_config(hf_config, recorded_without_mtp(args.path), presets=False) if hf_config else None  # as it was written
     if convert.is_fsdp(args.path):  # verl's FSDP: LoRA shown, not refused (inspect writes nothing)
         v = FsdpView(args.path, cfg, lora="inspect")
     else:
@@ -472,6 +474,9 @@ def cmd_inspect(args) -> int:
 
 
 def run(args) -> int:
+    missing = missing_source(args)
+    if missing:  # (under torchrun a rank whose relative path is missing tells the others: cli.entry)
+        raise InputError(missing)
     if args.cmd == "reshard":
         return (cmd_reshard_mcore if args.to == "mcore" else cmd_reshard_vllm)(args)
     return COMMANDS[args.cmd](args)

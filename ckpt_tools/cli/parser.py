@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import converters
 from converters import vllm_names
 
 from ..core import numbers
 from ..core.errors import EXIT_CODES
+from ..core.show import show
 from ..torchrun.divide import DIVIDE
 
 DESCRIPTION = "``ckpt-tools`` command line."  # the --help description
@@ -104,6 +106,23 @@ def empty_path(args) -> str | None:
         for one in v if isinstance(v, list) else [v]:  # a list: a flag given more than once (verify --mcore A --mcore B)
             if isinstance(one, str) and not one.strip():
                 return flag
+    return None
+
+
+# the paths a command reads (every command's sources and configs; plan's --config may be a preset, inspect's PATH
+# says so itself): dest -> flag
+SOURCES = {"hf": "--hf", "mcore": "--mcore", "fsdp": "--fsdp", "src": "--from", "vllm": "--vllm", "hf2": "--hf2",
+           "hf_config": "--hf-config"}
+
+
+def missing_source(args) -> str | None:
+    """The one-line reason when a path the command reads does not exist (by its flag, before any other check can
+    blame something else: a config, a preset, a missing --hf-config); None when every one exists."""
+    for dest, flag in SOURCES.items():
+        v = getattr(args, dest, None)
+        for one in v if isinstance(v, list) else [v]:
+            if isinstance(one, str) and not os.path.exists(one):
+                return f"{flag} {show(one)}: no such file or directory"
     return None
 
 

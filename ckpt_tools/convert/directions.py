@@ -12,6 +12,7 @@ from converters import vllm_names
 
 from ..copy.plan import Op
 from ..core.lazy import dtype_name, torch, torch_dtype
+from ..core.show import show
 from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
 from ..formats.lora import cleanup, merged_ops, write_adapter
@@ -95,7 +96,7 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
     """HF safetensors ``hf`` -> a torch_dist checkpoint ``out`` for the Megatron topology and loader ``spec``
     (docs/api.md)."""
     output = _guarded(out, "mcore", options.overwrite, {"--hf": hf})
-    cfg = load_config(hf, no_mtp)
+    cfg = load_config(hf, no_mtp, presets=False)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     return _to_mcore(output, hf, "hf2mcore", lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
                      vocab_size_divisible_by, options)[1]
@@ -103,7 +104,10 @@ def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=Non
 
 def _guarded(out, kind, overwrite, inputs) -> Output:
     """The direction's :class:`Output`, ``--out`` refused before the config is even read (the driver checks it again
-    before any work)."""
+    before any work); an input path that does not exist is said so first, by its flag."""
+    for flag, path in inputs.items():
+        if path is not None and not os.path.exists(path):
+            raise FormatError(f"{flag} {show(path)}: no such file or directory")
     output = Output(out, kind, overwrite, inputs, FormatError)
     output.check()
     return output
@@ -173,7 +177,7 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
     output = _guarded(out, "mcore", options.overwrite, inputs)
-    cfg = load_config(hf_config, no_mtp or recorded_without_mtp(src))
+    cfg = load_config(hf_config, no_mtp or recorded_without_mtp(src), presets=False)
     if not is_mcore(src):
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
@@ -218,7 +222,7 @@ def mcore2hf(mcore: str, out: str, hf_config: str, dtype=None, max_shard_size=5 
         raise FormatError(f"--hf-config is needed to read {mcore} (the HF config.json of the model)")
     inputs = {"--mcore": mcore, "--hf-config": hf_config}
     output = _guarded(out, "hf", options.overwrite, inputs)
-    cfg = load_config(hf_config, no_mtp or recorded_without_mtp(mcore))  # written with --no-mtp: read so
+    cfg = load_config(hf_config, no_mtp or recorded_without_mtp(mcore), presets=False)  # written with --no-mtp: read so
     cache = max(64 << 20, options.max_memory // (4 * max(1, options.workers)))
     dt = _dtype(dtype, None)  # None: each tensor in its source's dtype (the dtype rule: McoreView.source_dtype)
     dts = {}
@@ -290,7 +294,7 @@ def open_source(path: str, hf_config: str | None, prefix=None, no_mtp=False):
         hf_config = hf_config_dir(path)
         if hf_config is None:
             raise FormatError(f"{path}: a verl FSDP checkpoint without huggingface/config.json: pass --hf-config DIR")
-    cfg = load_config(hf_config or path, no_mtp) if hf_config or no_mtp else None
+    cfg = load_config(hf_config or path, no_mtp, presets=False) if hf_config or no_mtp else None
     return open_view(path, cfg, prefix=prefix)
 
 
@@ -344,7 +348,7 @@ def _fsdp_config(src: str, hf_config: str | None, no_mtp: bool):
     d = hf_config or hf_config_dir(src)
     if d is None:
         raise FormatError(f"{src}: a verl FSDP checkpoint without huggingface/config.json: pass --hf-config DIR")
-    return d, load_config(d, no_mtp)
+    return d, load_config(d, no_mtp, presets=False)
 
 
 def fsdp2mcore(src: str, out: str, hf_config: str | None = None, pp=1, tp=1, ep=1, etp=None, first=None, last=None,

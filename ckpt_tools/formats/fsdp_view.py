@@ -52,7 +52,7 @@ class FsdpView:
             if d is None:
                 raise FormatError(f"{path}: no huggingface/config.json (verl saves it beside the rank files): "
                                   f"pass --hf-config DIR")
-            cfg = load_config(d)
+            cfg = load_config(d, presets=False)
         self.cfg = cfg
         self.ckpt = FsdpCheckpoint(path)
         self.shapes = hf_shapes(cfg)

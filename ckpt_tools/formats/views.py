@@ -105,7 +105,7 @@ class HFView:
 
     def __init__(self, path: str, cfg: ModelConfig | None = None):
         self.path = path
-        self.cfg = cfg or load_config(path)
+        self.cfg = cfg or load_config(path, presets=False)
         self.reader = open_reader(path, self.cfg.raw)  # block-scaled FP8 read as bf16: formats/fp8.py
         self.shapes = hf_shapes(self.cfg)
         mtp, derived = dropped(self.cfg), derived_buffers(self.cfg)
@@ -341,7 +341,7 @@ class VllmView:
         except vllm_names.UnknownVersion as e:
             raise FormatError(f"{path}: {VLLM_META}: {e}") from None
         # vLLM's main model never holds MTP layers (reshard leaves them out): whatever config it is read with
-        self.cfg = (cfg or load_config(os.path.join(path, "config.json"))).without_mtp()
+        self.cfg = (cfg or load_config(os.path.join(path, "config.json"), presets=False)).without_mtp()
         try:  # the rule reshard writes by: a record of no rank (e.g. "dp": 0) is not a layout
             self.par = vllm_parallel(meta.get("tp"), meta.get("dp", 1), meta.get("expert_parallel", False),
                                      flags=RECORD_FIELDS)

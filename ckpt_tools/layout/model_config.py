@@ -78,15 +78,17 @@ class ModelConfig:
         return {k: 0 for k in getattr(fam, "MTP_CONFIG", ()) if k in self.raw} if self.mtp_dropped else {}
 
 
-def load_config(path_or_preset: str, no_mtp: bool = False) -> ModelConfig:
-    """``path_or_preset``: an HF model dir, a config.json path, or a preset name (``ckpt-tools plan --help``);
-    ``no_mtp``: the main model only (:meth:`ModelConfig.without_mtp`)."""
-    cfg = _load_config(path_or_preset)
+def load_config(path_or_preset: str, no_mtp: bool = False, presets: bool = True) -> ModelConfig:
+    """``path_or_preset``: an HF model dir, a config.json path, or (``presets``) a preset name (``ckpt-tools plan
+    --help``); ``no_mtp``: the main model only (:meth:`ModelConfig.without_mtp`). ``presets=False`` where a config
+    alone does not serve (a conversion needs the model's weights or its side files): a path only, and a missing
+    one is said so, with no presets offered (issue 54)."""
+    cfg = _load_config(path_or_preset, presets)
     return cfg.without_mtp() if no_mtp else cfg
 
 
-def _load_config(path_or_preset: str) -> ModelConfig:
-    known = converters.presets()
+def _load_config(path_or_preset: str, presets: bool) -> ModelConfig:
+    known = converters.presets() if presets else {}
     if path_or_preset in known:
         text = resources.files("converters").joinpath("presets", known[path_or_preset]).read_text()
         return config_from_dict(json.loads(text))
@@ -94,8 +96,13 @@ def _load_config(path_or_preset: str) -> ModelConfig:
     if os.path.isdir(p):
         p = os.path.join(p, "config.json")
     if not os.path.isfile(p):
-        raise ConfigError(f"no HF config at {path_or_preset or repr('')} (expected a model dir, a config.json or one "
-                          f"of the presets {', '.join(sorted(known))})")
+        at = f"no HF config at {path_or_preset or repr('')}"
+        if known:
+            raise ConfigError(f"{at} (expected a model dir, a config.json or one of the presets "
+                              f"{', '.join(sorted(known))})")
+        why = ("no config.json in it" if os.path.isdir(path_or_preset) else "not a file"
+               if os.path.exists(path_or_preset) else "no such file or directory")
+        raise ConfigError(f"{at}: {why} (expected an HF model dir or its config.json)")
     if p.endswith(".safetensors"):
         raise ConfigError(f"{p} is a weights file: give the model directory (config.json + *.safetensors)")
     d = read_json(p, ConfigError)
