@@ -26,6 +26,9 @@ A row is one logical weight:
 Shapes: H hidden, d head_dim, nq/nkv heads, F intermediate, Fm expert intermediate, Fs shared-expert intermediate.
 """
 
+MEGATRON_CORE = "0.12.1"  # the megatron-core release whose names, key layouts and chunks these rows and ckpt_tools.layout
+# follow (``ckpt-tools --version`` says it; the test extra pins it: pyproject.toml)
+
 
 def _q(c):
     return (c.heads * c.head_dim, c.hidden)

@@ -8,6 +8,7 @@ import converters
 from converters import vllm_names
 
 from ..core import numbers
+from ..core.clients import version_lines
 from ..core.errors import EXIT_CODES
 from ..core.show import show
 from ..torchrun.divide import DIVIDE
@@ -126,8 +127,23 @@ def missing_source(args) -> str | None:
     return None
 
 
+class _Version(argparse.Action):
+    """``--version``: the package's, the clients' it writes for and the installed ones (core/clients.py), on
+    stdout, exit 0; computed only when asked."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("\n".join(version_lines()))
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ckpt-tools", description=DESCRIPTION, epilog=EPILOG)
+    ap.add_argument("--version", action=_Version,
+                    help="print the version, the megatron-core, vLLM and verl releases it writes for, and the "
+                         "installed ones, then exit")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("hf2mcore", help="HF safetensors -> Megatron-core torch_dist checkpoint")
