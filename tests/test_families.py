@@ -186,11 +186,13 @@ def vllm_runs(models, tmp_path_factory):
     for family in FAMILIES + list(VARIANTS):
         hf, d = models(family, "bf16"), tmp_path_factory.mktemp(f"vllm_{family}")
         mc, tp2, ep = str(d / "mc"), str(d / "tp2"), str(d / "ep")
-        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}), options=convert.Options(progress=False))
+        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if family in MOE else {}),
+                         options=convert.Options(progress=False))
         convert.reshard(mc, tp2, tp=2, hf_config=hf, vllm_version="0.32.0", options=convert.Options(progress=False))
         mine = [dict(model_dir=hf, tp=2, **gen), dict(model_dir=tp2, tp=2, **gen, **sh)]
         if family in MOE:
-            convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0", options=convert.Options(progress=False))
+            convert.reshard(hf, ep, tp=2, expert_parallel=True, vllm_version="0.32.0",
+                            options=convert.Options(progress=False))
             mine += [dict(model_dir=hf, tp=2, expert_parallel=True), dict(model_dir=ep, tp=2, expert_parallel=True, **sh)]
         out[family] = {"tp2": tp2, "jobs": range(len(jobs), len(jobs) + len(mine))}
         jobs += mine

@@ -345,7 +345,8 @@ def test_deepseek_from_fp8_equals_its_dequant_in_every_direction(tmp_path, capsy
     ref = _reference_dequant(q, str(tmp_path / "ref"))
     topo = dict(pp=3, tp=2, ep=2, first=1, last=2)
     for what, run in (("mcore", lambda s, o: convert.hf2mcore(s, o, **topo, options=convert.Options(progress=False))),
-                      ("vllm", lambda s, o: convert.reshard(s, o, tp=2, vllm_version="0.32.0", options=convert.Options(progress=False)))):
+                      ("vllm", lambda s, o: convert.reshard(s, o, tp=2, vllm_version="0.32.0",
+                                                            options=convert.Options(progress=False)))):
         a, b = str(tmp_path / f"{what}_fp8"), str(tmp_path / f"{what}_ref")
         run(q, a)
         run(ref, b)

@@ -241,7 +241,8 @@ def test_hsdp_lora_merge_equals_peft_and_the_adapter_loads(hsdp_lora, odd_hf, wo
     assert not glob.glob(os.path.join(work, "lora_merged.lora-*"))  # the scratch of the transform stage: removed
     # adapter: base + peft's layout; peft loads it and the logits are the trained model's
     base_out, ad = os.path.join(work, "lora_base"), os.path.join(work, "lora_adapter")
-    r = convert.fsdp2hf(ck, base_out, lora_adapter_out=ad, lora_alpha=LORA["alpha"], options=convert.Options(progress=False))
+    r = convert.fsdp2hf(ck, base_out, lora_adapter_out=ad, lora_alpha=LORA["alpha"],
+                        options=convert.Options(progress=False))
     layers = json.load(open(os.path.join(odd_hf, "config.json")))["num_hidden_layers"]
     assert r["adapter"]["r"] == LORA["r"] and r["adapter"]["modules"] == 2 * layers  # q, v of every layer
     assert torch.equal(_logits(base_out, torch.bfloat16, ad), hsdp_lora["logits"])
@@ -358,7 +359,8 @@ def test_vllm_loads_reshard_to_vllm_of_the_fsdp_checkpoint_bit_for_bit(fsdp2, wo
 
     hf, vl = os.path.join(work, "fsdp2_hf_bf16_vllm"), os.path.join(work, "fsdp2_vllm_bf16")
     convert.fsdp2hf(fsdp2["ckpt"], hf, dtype="bf16", options=convert.Options(progress=False))
-    convert.reshard(fsdp2["ckpt"], vl, tp=2, dtype="bf16", vllm_version="0.32.0", options=convert.Options(progress=False))
+    convert.reshard(fsdp2["ckpt"], vl, tp=2, dtype="bf16", vllm_version="0.32.0",
+                    options=convert.Options(progress=False))
     gen = dict(prompts=[[1, 2, 3, 4, 5], [249, 17, 100]], max_tokens=8)
     ref, ours = run_vllm_jobs([dict(model_dir=hf, tp=2, **gen),
                                dict(model_dir=vl, tp=2, load_format="sharded_state", **gen)], timeout=1200)

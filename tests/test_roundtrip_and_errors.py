@@ -40,7 +40,8 @@ def test_hf_mcore_hf_roundtrip_bitwise_and_logits(tiny_hf_bf16, tmp_path):
 
 def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
     mc, back = str(tmp_path / "mc"), str(tmp_path / "back")
-    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, dtype="fp32", vocab_size_divisible_by=384, options=convert.Options(progress=False))
+    convert.hf2mcore(tiny_hf_bf16, mc, tp=2, dtype="fp32", vocab_size_divisible_by=384,
+                     options=convert.Options(progress=False))
     md = pickle.load(open(os.path.join(mc, ".metadata"), "rb"))
     emb = md.state_dict_metadata["embedding.word_embeddings.weight"]
     assert tuple(emb.size) == (384, 64) and emb.properties.dtype == torch.float32
@@ -53,7 +54,8 @@ def test_fp32_save_of_bf16_source_and_vocab_padding(tiny_hf_bf16, tmp_path):
         assert rep["ok"] and rep["widened"] == 201 and rep["cast"] == 0 and rep["rounded"] == 0
     assert json.load(open(os.path.join(mc, "ckpt_tools.json")))["source_dtypes"] == {
         n: "bfloat16" for n in HFView(tiny_hf_bf16).names()}  # recorded: mcore2hf restores them
-    convert.mcore2hf(mc, back, tiny_hf_bf16, options=convert.Options(progress=False))  # padding stripped, the source's bf16 restored
+    convert.mcore2hf(mc, back, tiny_hf_bf16,
+                     options=convert.Options(progress=False))  # padding stripped, the source's bf16 restored
     assert HFView(back).dtype == torch.bfloat16
     assert verify(HFView(tiny_hf_bf16), HFView(back), progress=False)["ok"]
 
@@ -179,7 +181,8 @@ def test_missing_and_wrong_shape_tensor(tiny_hf, tmp_path):
     (dict(pp=4, first=1, last=2), "middle"), (dict(pp=3, first=4, last=4), "middle"), (dict(etp=3), "--etp"),
 ])
 def test_bad_topology_is_one_line_error(tiny_hf, tmp_path, kw, match):
-    msg = _err(convert.hf2mcore, tiny_hf, str(tmp_path / "out"), options=convert.Options(progress=False), match=match, **kw)
+    msg = _err(convert.hf2mcore, tiny_hf, str(tmp_path / "out"),
+               options=convert.Options(progress=False), match=match, **kw)
     assert "\n" not in msg
     assert not os.path.exists(tmp_path / "out")
 
@@ -247,7 +250,8 @@ def test_mcore_bad_inputs(tiny_hf, tiny_hf_bf16, tmp_path):
     shutil.copytree(mc, c2)
     os.remove(os.path.join(c2, "__1_0.distcp"))
     for c, name in ((c1, ".metadata"), (c2, "__1_0.distcp")):  # against our manifest (exit 1), then without one
-        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, options=convert.Options(progress=False), match=name, exc=IntegrityError)
+        _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf,
+             options=convert.Options(progress=False), match=name, exc=IntegrityError)
         os.remove(os.path.join(c, "ckpt_tools.manifest.json"))
         _err(convert.mcore2hf, c, str(tmp_path / "o1"), tiny_hf, options=convert.Options(progress=False), match=name)
     # a checkpoint of another model / mismatched hf-config
@@ -256,12 +260,15 @@ def test_mcore_bad_inputs(tiny_hf, tiny_hf_bf16, tmp_path):
     cfg = json.load(open(os.path.join(tiny_hf, "config.json")))
     cfg["num_hidden_layers"] = 4
     json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
-    _err(convert.mcore2hf, mc, str(tmp_path / "o3"), other, options=convert.Options(progress=False), match="does not match the HF config")
+    _err(convert.mcore2hf, mc, str(tmp_path / "o3"), other,
+         options=convert.Options(progress=False), match="does not match the HF config")
     cfg["num_hidden_layers"], cfg["moe_intermediate_size"] = 6, 48
     json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
-    _err(convert.mcore2hf, mc, str(tmp_path / "o4"), other, options=convert.Options(progress=False), match="global shape")
+    _err(convert.mcore2hf, mc, str(tmp_path / "o4"), other,
+         options=convert.Options(progress=False), match="global shape")
     # not a checkpoint
-    _err(convert.mcore2hf, tiny_hf, str(tmp_path / "o5"), tiny_hf, options=convert.Options(progress=False), match="metadata.json")
+    _err(convert.mcore2hf, tiny_hf, str(tmp_path / "o5"), tiny_hf,
+         options=convert.Options(progress=False), match="metadata.json")
     for o in ("o1", "o2", "o3", "o4", "o5"):
         assert not os.path.exists(tmp_path / o)
     assert _no_partial(tmp_path) == []

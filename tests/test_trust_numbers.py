@@ -104,7 +104,8 @@ def test_python_api_timeout_and_vocab_multiple_are_checked(tiny_hf, tmp_path):
         with pytest.raises(InputError, match="--dist-timeout"):
             join(t)
     with pytest.raises(LayoutError, match="--make-vocab-size-divisible-by"):
-        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), vocab_size_divisible_by=-96, options=convert.Options(progress=False))
+        convert.hf2mcore(tiny_hf, str(tmp_path / "o"), vocab_size_divisible_by=-96,
+                         options=convert.Options(progress=False))
     assert not os.path.exists(tmp_path / "o")
 
 

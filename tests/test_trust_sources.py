@@ -78,8 +78,10 @@ def test_flipped_source_byte_stops_every_reading_direction(srcs, direction, wher
 
 def test_intact_source_is_checked_as_it_streams(srcs, tmp_path):
     """No false alarm, and the data is hashed as the engine reads it (no second read of the source)."""
-    for kind, run in (("mcore", lambda o: convert.mcore2hf(srcs["mcore"], o, srcs["cfg"], options=convert.Options(progress=False))),
-                      ("hf", lambda o: convert.hf2mcore(srcs["hf"], o, tp=2, ep=2, options=convert.Options(progress=False)))):
+    for kind, run in (("mcore", lambda o: convert.mcore2hf(srcs["mcore"], o, srcs["cfg"],
+                                                           options=convert.Options(progress=False))),
+                      ("hf", lambda o: convert.hf2mcore(srcs["hf"], o, tp=2, ep=2,
+                                                        options=convert.Options(progress=False)))):
         man = load_manifest(srcs[kind])
         data = sum(r[1] for e in man["files"].values() for r in e["ranges"] if r[3] != "-")
         st = run(str(tmp_path / kind))["engine"]
@@ -127,7 +129,8 @@ def test_holes_inside_a_range_are_read_for_the_check_not_reread_after(srcs, tmp_
     monkeypatch.setattr(engine.Engine, "GAP_FILL", 0)
     monkeypatch.setattr(engine.Engine, "MIN_CAP", 16 << 10)  # with max_memory=1: units of ~8 KiB
     out = str(tmp_path / "out")
-    st = convert.reshard(srcs["mcore"], out, tp=8, hf_config=srcs["cfg"], options=convert.Options(progress=False, max_memory=1))["engine"]
+    st = convert.reshard(srcs["mcore"], out, tp=8, hf_config=srcs["cfg"],
+                         options=convert.Options(progress=False, max_memory=1))["engine"]
     assert st["units"] > 100, st
     assert st["fill_bytes"] > 0 and st["source_rehash_bytes"] == 0, st
     man = load_manifest(srcs["mcore"])

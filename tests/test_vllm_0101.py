@@ -164,14 +164,16 @@ def families(tmp_path_factory):
         extra = dict(moe_layer_freq=1, scoring_func="sigmoid") if fam == "deepseek_v3" else {}
         hf = make_tiny_hf(str(d / "hf"), dtype=torch.bfloat16, seed=3, model_type=fam, **extra)
         mc = str(d / "mc")
-        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if fam in MOE else {}), options=convert.Options(progress=False))
+        convert.hf2mcore(hf, mc, pp=2, tp=2, **(dict(ep=2) if fam in MOE else {}),
+                         options=convert.Options(progress=False))
         r = {"hf": hf, "mcore": mc}
         outs = [("tp2", mc, {}), ("tp2_hf", hf, {})]
         if fam in MOE:
             outs += [("ep", mc, dict(expert_parallel=True)), ("ep_hf", hf, dict(expert_parallel=True))]
         for name, src, kw in outs:
             r[name] = str(d / name)
-            convert.reshard(src, r[name], tp=2, hf_config=hf, vllm_version="0.10.1", **kw, options=convert.Options(progress=False))
+            convert.reshard(src, r[name], tp=2, hf_config=hf, vllm_version="0.10.1", **kw,
+                            options=convert.Options(progress=False))
         out[fam] = r
     return out
 

@@ -228,7 +228,8 @@ def test_users_version_names(ckpts, tmp_path):
     """The users' vLLM (0.10.1 at commit 38217877, with vllm-ascend): experts ``mlp.experts.w13_weight``/
     ``w2_weight``, router ``mlp.gate.weight``, no attention scale buffers, same values as for 0.32.0."""
     out = str(tmp_path / "users")
-    convert.reshard(ckpts["mcore"], out, tp=2, hf_config=ckpts["hf"], vllm_version="0.10.1", options=convert.Options(progress=False))
+    convert.reshard(ckpts["mcore"], out, tp=2, hf_config=ckpts["hf"], vllm_version="0.10.1",
+                    options=convert.Options(progress=False))
     meta = json.load(open(os.path.join(out, "vllm_layout.json")))
     assert meta["vllm_version"] == "0.10.1"
     for r in range(2):
