@@ -58,7 +58,6 @@ from bench_common import (  # noqa: E402 - beside this file: python scripts/benc
     table,
 )
 
-
 BASELINE = r'''
 import sys, os, json, torch, torch.nn.functional as F
 sys.path.insert(0, %(root)r)
