@@ -22,6 +22,8 @@ DOCUMENTED = {
     ("ckpt_tools.cli.entry", "ckpt_tools.cli.commands"): "the commands need torch: imported after _quiet_c10d",
     ("ckpt_tools.cli.entry", "numpy"): "imported with one OpenBLAS thread (_one_blas_thread), after --help",
     ("ckpt_tools.torchrun.ranks", "torch.distributed"): "the CLI imports torchrun.ranks before torch",
+    ("ckpt_tools.torchrun.connect", "torch.distributed"): "the same: ranks imports it (the store's connection)",
+    ("ckpt_tools.torchrun.group", "torch.distributed"): "the same: ranks imports it (Group's PrefixStore)",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.6 s (DTensor, sympy); only where the stand-ins do not apply",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",
     ("ckpt_tools.formats.torch_dist_reader", "torch._subclasses.fake_tensor"): "torch 2.6 only: ~1.1 s on first use",
