@@ -178,8 +178,7 @@ class McoreView:
                 problems.append(f"missing key {key}" + mtp_hint(cfg, [key[len(self.ckpt.prefix):]]))
                 continue
             got = self.ckpt.shape(key)
-            row = self.layout._rows[key]
-            if row.get("vocab") and len(got) == 2 and got[1] == ts.shape[1] and got[0] >= ts.shape[0]:
+            if self.layout.is_vocab(key) and len(got) == 2 and got[1] == ts.shape[1] and got[0] >= ts.shape[0]:
                 continue  # vocab padding rows: stripped on export
             if got != ts.shape:
                 problems.append(f"{key} has global shape {list(got)}, the HF config implies {list(ts.shape)}")
@@ -293,8 +292,7 @@ class McoreView:
             if not ok:
                 out.append(f"{key}: chunks do not cover the tensor exactly once: {why}")
         for key in self.layout.tensors:
-            row = self.layout._rows[key]
-            if row.get("vocab") and self.ckpt.shape(key)[0] > self.cfg.vocab:
+            if self.layout.is_vocab(key) and self.ckpt.shape(key)[0] > self.cfg.vocab:
                 pad = self.ckpt.read_box(key, ((self.cfg.vocab, self.ckpt.shape(key)[0]), (0, self.ckpt.shape(key)[1])))
                 if pad.count_nonzero():
                     out.append(f"{key}: vocab padding rows are not zero")
