@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 
 import converters
-from converters import vllm_names
+from converters import megatron_lines, vllm_names
 from converters.vllm_names import file_name
 
 from ..core.files import read_json
@@ -195,6 +195,8 @@ class McoreView:
         self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
         self.record = read_side_car(path)
+        # the megatron-core line it was saved for, from what its .metadata holds (converters/megatron_lines.py)
+        self.line = megatron_lines.detect(hasattr(self.ckpt.md, "mcore_data"))
         recorded = self.record.get("source_dtypes")
         self.source_dtypes = recorded if isinstance(recorded, dict) else {}
 
