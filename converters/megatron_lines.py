@@ -41,6 +41,8 @@ LINES = {
     "0.12": dict(releases="0.12.x", tested="0.12.1", mcore_data=True, optimizer="fully_sharded_model_space"),
     "0.16": dict(releases="0.16.x", tested="0.16.1", mcore_data=False, optimizer=None),
 }
+# transformer/mlp.py apply_swiglu_sharded_factory under singleton_local_shards: fc1's halves as keys of their own
+SINGLETON_SUFFIXES = ("linear_fc1.weight_w", "linear_fc1.weight_v", "linear_fc1.bias_w", "linear_fc1.bias_v")
 USERS_LINE = "0.12"  # the users' megatron-core 0.12.1 (verl's training stack): the default target
 
 

@@ -13,6 +13,7 @@ python tests/mcore_worker.py '<json>' with keys:
   (MindSpeed cannot be installed and TE needs CUDA, so ``as`` te/mindspeed edits this real local-spec model's
   request; see ask_as)
   out: result dir (rank_{r}.json per rank)
+  sd_metadata: entries of the metadata ``save`` passes to sharded_state_dict (megatron-core >= 0.14: see sharded_sd)
   jobs: [{name, and any keys above but port/out}] - several models answered in turn by one world (megatron
         imported and the process group made once: tests/test_mcore016.py); rank_{r}.json is then {name: result}
 Runs unchanged on megatron-core 0.16.1 (.ci/lane-mcore-0.16).
@@ -133,20 +134,21 @@ def fill_reference(model, hf, cfg, ranks, layer_offset, num_local_experts):
             prm.copy_(want)
 
 
-def sharded_sd(model):
+def sharded_sd(model, extra=None):
     """``model.sharded_state_dict()`` as a trainer asks for it. megatron-core 0.16.1's GPTModel reads
     ``metadata['dp_cp_group']`` where an MTP layer sits on a stage that is not the first (models/gpt/gpt_model.py
     ``sharded_state_dict``: ``tie_word_embeddings_state_dict(..., dp_cp_group=metadata['dp_cp_group'])``, a
     TypeError with no metadata), so on that line it gets what Megatron-LM's training/checkpointing.py
     ``_build_sharded_state_dict_metadata`` passes for the model (>= 0.14): ``singleton_local_shards`` False,
     ``chained_optim_avoid_prefix`` True, the DP x CP group (transformer/utils.py ``ensure_metadata_has_dp_cp_group``).
-    0.12.1 takes no metadata."""
+    0.12.1 takes no metadata. ``extra``: entries over those (a job's ``sd_metadata``, e.g. singleton_local_shards)."""
     try:
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
     except ImportError:  # 0.12.1
+        assert not extra, "megatron-core 0.12.1's sharded_state_dict takes no metadata"
         return model.sharded_state_dict()
     return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(
-        {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}))
+        {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, **(extra or {})}))
 
 
 TE_ONLY_LAYER_OBJECTS = ["self_attention.core_attention", "self_attention.q_layernorm",
@@ -259,7 +261,7 @@ def answer(rank, a):
         res["keys"] = items
     if a.get("save"):
         fill_reference(model, hf, cfg, ranks, offset, nle)
-        dist_checkpointing.save(sharded_sd(model), a["save"])
+        dist_checkpointing.save(sharded_sd(model, a.get("sd_metadata")), a["save"])
     def sentinel():
         with torch.no_grad():
             for prm in weights(model).values():

@@ -76,9 +76,16 @@ def world(tmp_path_factory):
         jobs.append(dict(name=fam, hf=d["hf"], save=d["theirs"], keys_out=True, **topo,
                          loads=[{"dir": d["ours16"], "as": "local", "strict": "raise_all"},
                                 {"dir": d["ours12"], "as": "local", "strict": "raise_all"}]))
+    # 0.16.1's other layout: the same MoE model saved with singleton_local_shards (refused, one line)
+    split = str(root / "qwen3_moe_singleton")
+    os.makedirs(split)
+    jobs.append(dict(name="singleton", hf=dirs["qwen3_moe"]["hf"], save=split, **topology("qwen3_moe"),
+                     sd_metadata={"singleton_local_shards": True}))
     ranks, _ = run_megatron(str(root), jobs=jobs, pp=3, tp=2, ep=2, etp=1)
     assert len(ranks) == 6
-    return {fam: dict(dirs[fam], ranks=[r[fam] for r in ranks]) for fam in FAMILIES}
+    out = {fam: dict(dirs[fam], ranks=[r[fam] for r in ranks]) for fam in FAMILIES}
+    out["qwen3_moe"]["singleton"] = split
+    return out
 
 
 def _md(d):
@@ -215,6 +222,22 @@ def test_the_line_is_read_off_the_source_and_reshard_crosses_lines(world, tmp_pa
         cfg = load_config(w["hf"])
         rep = verify(McoreView(out, cfg), HFView(w["hf"]), progress=False)
         assert rep["ok"] and rep["compared"] == len(HFView(w["hf"]).shapes), rep["problems"]
+
+
+@on_016
+@pytest.mark.megatron
+def test_singleton_local_shards_is_refused_in_one_line(world, tmp_path, capsys):
+    """0.16.1's save with ``singleton_local_shards`` (transformer/mlp.py, moe/experts.py: fc1's halves under keys of
+    their own, one key per expert, per-layer keys) is another weights layout: refused in one line, nothing written."""
+    w = world["qwen3_moe"]
+    t, _, _ = _summary(w["singleton"])
+    assert any(k.endswith("linear_fc1.weight_w") for k in t) and not set(t) & set(_summary(w["theirs"])[0]) - {
+        "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
+    out = str(tmp_path / "x")
+    assert main(["mcore2hf", "--mcore", w["singleton"], "--hf-config", w["hf"], "--out", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "singleton_local_shards" in err[0], err
+    assert not os.path.exists(out)
 
 
 # The flag itself (no megatron needed: these run in every lane)

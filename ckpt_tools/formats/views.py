@@ -169,6 +169,11 @@ class McoreView:
         self.path, self.cfg = path, cfg
         self.ckpt = TorchDistReader(path, prefix=prefix, cache_bytes=cache_bytes)
         keys = set(self.ckpt.model_keys())
+        split = sorted(k for k in keys if k.endswith(megatron_lines.SINGLETON_SUFFIXES))
+        if split:  # megatron-core >= 0.14 saved with singleton_local_shards (converters/megatron_lines.py)
+            raise FormatError(f"{path}: {split[0]} is a key of megatron-core's singleton_local_shards layout (SwiGLU "
+                              f"halves and experts as keys of their own), which is not read here; save it without "
+                              f"that metadata (Megatron-LM's default)")
         self.spec = spec or detect_spec(cfg, keys, self.ckpt.prefix) or "te"
         self.layout = MegatronLayout(cfg, self.spec, None, prefix=self.ckpt.prefix)
         self.shapes = hf_shapes(cfg)
