@@ -191,11 +191,16 @@ def test_the_lines_differ_only_by_mcore_data(family, world):
 @pytest.mark.megatron
 @pytest.mark.parametrize("family", FAMILIES)
 def test_its_save_exports_bit_for_bit(family, world, tmp_path):
+    from ckpt_tools.layout.model_config import load_config
+
     w = world[family]
     for name in ("theirs", "ours16"):
         back = str(tmp_path / f"hf_from_{name}")
         convert.mcore2hf(w[name], back, w["hf"], progress=False)
         _equal_hf(w["hf"], back)
+    cfg = load_config(w["hf"])  # verify across the lines: megatron 0.16.1's save against our 0.12 output
+    rep = verify(McoreView(w["theirs"], cfg), McoreView(w["ours12"], cfg), progress=False)
+    assert rep["ok"] and rep["compared"] == len(McoreView(w["ours12"], cfg).shapes), rep["problems"]
 
 
 @on_016
