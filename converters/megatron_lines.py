@@ -16,6 +16,11 @@ What is the same in both lines (0.16.1 read and run; the paths are inside megatr
   without metadata does, and what Megatron-LM's ``_build_sharded_state_dict_metadata`` (training/checkpointing.py,
   >= 0.14) passes. With ``singleton_local_shards`` True the keys differ (``decoder.layers.{i}.`` per layer, fc1
   as ``_w`` / ``_v`` keys, one key per expert): that layout is not written or read here (refused in one line).
+* the TE spec (read, not run: Transformer Engine needs CUDA): models/gpt/gpt_layer_specs.py keeps 0.12's names; its
+  new ``sharded_state_dict_keys_map`` entries (``mlp.0.weight`` -> ``mlp.linear_fc1.layer_norm_weight``, ...) only
+  rename the TE op fuser's modules (``use_te_op_fuser``) back to them; grouped GEMM experts
+  (extensions/transformer_engine.py ``TEGroupedLinear._sharded_state_dict_grouped``) keep
+  ``experts.experts.linear_fc{1,2}`` with the global expert axis and one ``_extra_state`` per expert.
 * ``_extra_state``: the same ShardedObjects (transformer/utils.py ``make_sharded_object_for_checkpoint``), payload
   ``[None]`` for the local spec's modules; ``common.pt``: ``{}`` for a bare ``GPTModel`` state dict (a trainer adds
   its own entries, e.g. Megatron-LM's ``content_metadata``: dist_checkpointing/serialization.py ``save``);
