@@ -14,7 +14,7 @@ from ..copy.plan import Op
 from ..core.lazy import dtype_name, torch, torch_dtype
 from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
-from ..formats.lora import cleanup, merged_ops, write_adapter
+from ..formats.lora import adapter_config, cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
 from ..formats.training import OptimizerSource, OptimizerView, TrainingDestination
 from ..formats.views import FormatError, FsdpView, HFView, McoreView, exact_widening, open_view, widest
@@ -31,7 +31,9 @@ from ..layout import (
 )
 from ..layout.model_config import load_config
 from ..layout.optimizer import STATES
+from ..output.guard import check_holder
 from ..output.stage import Output
+from ..torchrun import ranks
 from .driver import Job, Options, convert
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch dtype name (core.lazy)
@@ -255,13 +257,10 @@ def _optimizer_outputs(optimizer_out: str, open_src, overwrite: bool, inputs: di
     def output(path):
         return Output(path, "hf", overwrite, inputs, FormatError, flag="--optimizer-out")
 
-    top = output(optimizer_out)
-    d = top.dir
-    if os.path.isdir(d) and not os.path.islink(d):
+    d = check_holder(output(optimizer_out), STATES)  # --out's rules on the place; an existing DIR holds only states
+    if os.path.isdir(d):
         for s in STATES:
             output(os.path.join(d, s)).check()
-    else:  # empty, a file, a symlink, no parent, an input: --out's rules; a new DIR's state dirs meet no input
-        top.check()
     opt = OptimizerSource(open_src(), "--optimizer-out")  # one line if the source holds none
     outs = {s: output(os.path.join(d, s)) for s in opt.states}
     os.makedirs(d, exist_ok=True)
@@ -383,10 +382,15 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     inputs = {"--fsdp": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     output = _guarded(out, "hf", overwrite, inputs)
-    if merge_lora and lora_adapter_out:
+    if merge_lora and lora_adapter_out is not None:
         raise FormatError("--merge-lora and --lora-adapter-out are two different outputs: give one")
+    adapter = None
+    if lora_adapter_out is not None:  # an output like --out, checked now (before any work) against it and the inputs
+        adapter = Output(lora_adapter_out, "adapter", overwrite, {**inputs, "--out": out}, FormatError,
+                         flag="--lora-adapter-out")
+        adapter.check()
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
-    lora = "merge" if merge_lora else "adapter" if lora_adapter_out else None
+    lora = "merge" if merge_lora else "adapter" if adapter else None
     dt = _dtype(dtype, None)
     dts = {}
 
@@ -394,7 +398,9 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
         dts.update((n, dt or view.dtype_of(n)) for n in view.names())
         ops = functools.partial(_hf_ops, view)
         if lora == "merge":  # the LoRA stage: formats/lora.py
-            ops = merged_ops(view, out, ops)
+            ops = merged_ops(view, ops)
+        elif lora == "adapter":
+            adapter_config(view)  # one peft LoraConfig, or refused now, before --out is written
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size, ops,
                              _side_dir(cfg_dir), cfg.raw, cfg.config_edits())
 
@@ -409,7 +415,23 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     finally:
         if opened and lora == "merge":
             cleanup(opened[-1])
-    if lora == "adapter":
-        res["adapter"] = write_adapter(view, lora_adapter_out, overwrite)
+    if adapter is not None:
+        res["adapter"] = _write_adapter(adapter, view, opts)
     res.update(fsdp=view.describe(), dtype="+".join(sorted(set(map(str, dts.values())))))
     return res
+
+
+def _write_adapter(adapter: Output, view, opts: Options) -> dict:
+    """``--lora-adapter-out``: :func:`~ckpt_tools.formats.lora.write_adapter` through ``adapter``'s lifecycle
+    (stage, publish or discard), by rank 0 alone under torchrun."""
+    def write():
+        tmp = adapter.stage()
+        try:
+            info = write_adapter(view, tmp)
+            adapter.publish()
+        except BaseException:
+            adapter.discard()
+            raise
+        return {**info, "out": adapter.path}
+
+    return ranks.on_ranks(lambda g: (g or ranks.Solo()).lead(write, "the LoRA adapter"), opts.dist_timeout)
