@@ -184,9 +184,13 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
-    view, res = _to_mcore(output, src, "reshard",
-                          lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
-                          vocab_size_divisible_by, opts, keep_optimizer)
+    def open_src():
+        view = McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20)
+        view.copied_files = ("common.pt",) if keep_optimizer else ()  # the gate refuses its problems, not warns
+        return view
+
+    view, res = _to_mcore(output, src, "reshard", open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
+                          keep_optimizer)
     res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
     return res
 
@@ -273,7 +277,8 @@ def _optimizer_to_hf(output: Output, opt: OptimizerSource, state: str, max_shard
     """One optimizer state of a training checkpoint -> HF safetensors under the weights' names, float32, through
     the same driver and engine as the weights: the state's pieces by parameter coordinate
     (:class:`~ckpt_tools.formats.training.OptimizerView`), so the layout math is the weights' own. The source's
-    integrity gate ran for the weights' job (its structure and manifest sizes); these bytes are read unchecked."""
+    integrity gate ran for the weights' job (its structure and manifest sizes); the state's bytes are checked
+    against the manifest as they are read (``OptimizerView.source_check``), so a mismatch publishes nothing."""
     def open_state():
         ov = OptimizerView(opt, state)
         if ov.mixed:

@@ -19,11 +19,16 @@ saving topology (megatron resumes another one with ``--no-load-rng``).
 from __future__ import annotations
 
 import functools
+import io
 import os
+import warnings
 
 from ..copy.fileio import read_rec_box
 from ..copy.plan import Op, Rec, map_sub
+from ..core.errors import IntegrityError
 from ..core.lazy import torch
+from ..integrity import MANIFEST, SourceCheck, hash_bytes, load_manifest
+from ..integrity.manifest import checksum_mismatch
 from ..layout import IntervalIndex, box_intersect, box_numel, box_shape, box_shift
 from ..layout.optimizer import ORIG_SHAPE, STATES, flat_boxes, local_shape, parse_key, row_of, state_key
 from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, record_template
@@ -37,6 +42,20 @@ RNG_KEY = "rng_state"  # verl get_rng_state / Megatron-LM generate_state_dict: S
 
 class OptimizerError(DistCkptError):
     pass
+
+
+def _source_check(path: str) -> SourceCheck | None:
+    """A :class:`SourceCheck` of the checkpoint at ``path`` for the optimizer state's reads (its sizes and
+    non-data ranges checked now, the data as the engine reads it), or None without a manifest."""
+    man = load_manifest(path)
+    if man is None:
+        return None
+    check = SourceCheck(path, man)
+    bad = [p for rel, p in check.precheck() if rel != "common.pt"]  # (common.pt: checked where it is read)
+    if bad:
+        raise IntegrityError(f"{path}: source does not match its manifest: {bad[0]}"
+                             + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return check
 
 
 def sharding_type(reader) -> str | None:
@@ -99,8 +118,26 @@ class OptimizerSource:
         for mkey, have in by_key.items():
             if have != set(self.states):
                 raise OptimizerError(f"{path}: {mkey} has optimizer states {sorted(have)}, others {sorted(self.states)}")
+        rows = view.layout._rows
+        lacking = sorted(k for k in view.layout.tensors if k not in by_key and not rows.get(k, {}).get("buffer"))
+        if lacking:  # megatron-core 0.12.1 optimizer.py / distrib_optimizer.py: every parameter has its state
+            more = f" (+{len(lacking) - 1} more)" if len(lacking) > 1 else ""
+            raise OptimizerError(f"{flag}: {path}: parameter {lacking[0]}{more} has no optimizer state (all of "
+                                 f"{', '.join(self.states)} missing) while the others have: megatron-core's load "
+                                 f"(StrictHandling.RAISE_ALL) fails on this checkpoint and would on the output")
         self.params = set(by_key)  # model keys (source prefix) that have optimizer state
+        self.flag = flag
+        self.chains = sorted({chain for _, chain in self.keys.values()}, key=lambda c: -1 if c is None else c)
+        self._check = None
         self._index: dict = {}
+
+    def source_check(self) -> SourceCheck | None:
+        """The manifest check of the bytes read by the jobs of :class:`OptimizerView` (mcore2hf
+        ``--optimizer-out``: the state's data, which the weights' job does not read), made once; None without a
+        manifest."""
+        if self._check is None:
+            self._check = _source_check(self.reader.path) or False
+        return self._check or None
 
     def has_state(self, hf_name: str) -> bool | None:
         """Whether the source keys holding HF tensor ``hf_name`` have optimizer state (None: some do, some not)."""
@@ -144,14 +181,50 @@ class OptimizerSource:
                     yield rec, box_shift(inter, [b[0] for b in pbox]), seg.target_to_hf(inter)
 
     def common(self) -> bytes:
-        """The source's common.pt, byte for byte."""
+        """The source's common.pt, byte for byte, checked as an input (it is copied): against the source's
+        manifest when it has one (every byte), loadable with torch's weights-only unpickler
+        (torch/serialization.py ``load(weights_only=True)``: plain containers and tensors, nothing runs) from the
+        very bytes returned, and its optimizer's ``param_state_sharding_type`` that of the state keys
+        (megatron-core 0.12.1 distrib_optimizer.py ``load_state_dict`` dispatches on it), one per chained
+        optimizer. Any failure is one line (:class:`OptimizerError`; a manifest mismatch :class:`IntegrityError`)."""
         fp = os.path.join(self.reader.path, "common.pt")
+        what = f"{self.flag}: {fp}"
         try:
             with open(fp, "rb") as f:
-                return f.read()
+                data = f.read()
         except FileNotFoundError:
-            raise OptimizerError(f"--keep-optimizer: {self.reader.path} has no common.pt (the optimizer's param "
+            raise OptimizerError(f"{self.flag}: {self.reader.path} has no common.pt (the optimizer's param "
                                  f"groups and step live there)") from None
+        man = load_manifest(self.reader.path)
+        if man is not None:
+            ent = man["files"].get("common.pt")
+            if ent is None:
+                raise IntegrityError(f"{what}: not in the source's {MANIFEST} (its bytes cannot be checked)")
+            if len(data) != ent["size"]:
+                raise IntegrityError(f"{what}: {len(data)} bytes, its {MANIFEST} says {ent['size']}")
+            for off, n, h, w in ent["ranges"]:
+                got = hash_bytes(memoryview(data)[off:off + n])
+                if got != h:
+                    raise IntegrityError(checksum_mismatch("common.pt", off, n, w, got, h))
+        try:
+            with warnings.catch_warnings():  # (torch's own warning about a refused pickle: our one line says it)
+                warnings.filterwarnings("ignore", category=UserWarning, module="torch._weights_only_unpickler")
+                common = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign file raises anything
+            raise OptimizerError(f"{what}: not loadable with weights_only=True ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:160] if str(e) else ''}); it is copied into the output: "
+                                 f"refused") from None
+        opt = common.get("optimizer") if isinstance(common, dict) else None
+        # one entry per chained optimizer (optimizer.py ChainedOptimizer.sharded_state_dict: {index: its state}),
+        # else the optimizer's own state
+        entries = {c: (opt.get(c) if isinstance(opt, dict) else None) if c is not None else opt for c in self.chains}
+        for c, o in entries.items():
+            got = o.get("param_state_sharding_type") if isinstance(o, dict) else None
+            if got != "fully_sharded_model_space":
+                which = f"optimizer[{c}]" if c is not None else "optimizer"
+                raise OptimizerError(f"{what}: {which}.param_state_sharding_type is {got!r}, the state keys are "
+                                     f"'fully_sharded_model_space' (megatron's load follows common.pt): refused")
+        return data
 
     def rng_objects(self) -> list:
         return sorted(o for o in self.reader.objects if o.split("/")[0] == RNG_KEY)
@@ -190,6 +263,7 @@ class OptimizerView:
         self.path, self.cfg = v.path, v.cfg
         have = {n: opt.has_state(n) for n in v.names()}
         self.mixed = sorted(n for n, h in have.items() if h is None)  # some of its keys have state, some not
+        self.source_check = opt.source_check()  # the conversion driver feeds it the bytes read
         self.shapes = {n: v.shapes[n] for n, h in have.items() if h}
 
     def names(self):
