@@ -151,3 +151,53 @@ def test_optimizer_out_checks_the_state_bytes_against_the_manifest(ckpts, tmp_pa
                       "--optimizer-out", opt, "--no-progress")
     assert rc == 1 and len(err) == 1 and rel in err[0] and "exp_avg_sq" in err[0], err
     assert not os.path.exists(opt / "exp_avg_sq") and not [n for n in os.listdir(opt) if "partial" in n]
+
+
+def test_vocab_padding_rows_states_are_said_not_carried(tiny_hf, tmp_path):
+    """A Megatron-LM source with a padded vocab (``--make-vocab-size-divisible-by``: 256 -> 384 rows, the weights'
+    padding rows zero as McoreView.integrity requires, their states random): the states of those rows lie outside
+    the HF tensor space every copy goes through; the run says so in one note (and still writes every parameter's
+    state of the HF rows, bit for bit: verify --optimizer)."""
+    from ckpt_tools import convert
+    from ckpt_tools.testing import spawn_ranks
+    from ckpt_tools.testing.training import save_training_state
+
+    layout, a, b = (str(tmp_path / n) for n in ("layout", "A", "B"))
+    convert.hf2mcore(tiny_hf, layout, spec="local", vocab_size_divisible_by=384, progress=False)
+    assert not spawn_ranks(save_training_state, {"world": 2, "layout": layout, "out": a, "vocab": 256})
+    rc, _, err = _run("reshard", "--to", "mcore", "--from", a, "--out", b, "--hf-config", tiny_hf, "--spec", "local",
+                      "--keep-optimizer", "--no-progress")
+    assert rc == 0, err
+    notes = [ln for ln in err if "vocab padding rows" in ln]
+    assert len(notes) == 1 and "note:" in notes[0] and "128 vocab padding rows" in notes[0], err
+    rc, out, err = _run("verify", "--hf-config", tiny_hf, "--no-progress", "--mcore", a, "--mcore", b, "--optimizer")
+    assert rc == 0, out[-2000:] + "\n".join(err)
+
+
+def test_the_verl_resume_settings_in_the_docs_are_what_verl_reads():
+    """docs/usage.md's verl 0.5.0 settings for an output without RNG states, against verl's own source: the state
+    dict asks for rng_state when 'extra' is in save_contents OR load_contents, so both lists drop it; with both
+    ``[model, optimizer]`` verl neither asks for nor asserts it, and still loads model and optimizer."""
+    import inspect
+    import re
+
+    import verl
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+
+    gen = inspect.getsource(MegatronCheckpointManager.generate_state_dict)
+    assert re.search(r"if self\.should_save_extra or self\.should_load_extra:\s+.*\s+.*\s+state_dict\[\"rng_state\"\]",
+                     gen)
+    load = inspect.getsource(MegatronCheckpointManager.load_checkpoint)
+    assert 'if self.should_load_extra:\n            assert "rng_state" in state_dict' in load
+    yaml = open(os.path.join(os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_megatron_trainer.yaml")).read()
+    assert "load_contents: ${.save_contents}" in yaml
+
+    class Cfg:
+        checkpoint_save_contents = checkpoint_load_contents = ["model", "optimizer"]
+
+    assert not BaseCheckpointManager.should_save_extra.fget(Cfg) and not BaseCheckpointManager.should_load_extra.fget(Cfg)
+    assert BaseCheckpointManager.should_load_optimizer.fget(Cfg) and BaseCheckpointManager.should_load_model.fget(Cfg)
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
+    assert ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer] \\\n"
+            "    actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer]") in doc

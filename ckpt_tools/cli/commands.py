@@ -278,7 +278,8 @@ def cmd_reshard_mcore(args) -> int:
           f"{r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed)")
     if args.keep_optimizer and r.get("rng_dropped"):
         print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology's PP x TP grid): resume with "
-              f"--no-load-rng")
+              f"--no-load-rng (Megatron-LM); verl: actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer] "
+              f"and load_contents=[model,optimizer] (docs/usage.md)")
     return 0
 
 

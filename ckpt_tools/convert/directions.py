@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from converters import vllm_names
 
@@ -83,7 +84,10 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
         if keep_optimizer:
             side.update(optimizer="fully_sharded_model_space")
-            return TrainingDestination(layout, view, dt, OptimizerSource(view), side_car=side)
+            opt = OptimizerSource(view)
+            for n in opt.notes():
+                print(f"ckpt-tools {label}: note: {n}", file=sys.stderr)
+            return TrainingDestination(layout, view, dt, opt, side_car=side)
         return TorchDistDestination(layout, view, dt, side_car=side)
 
     view, _, res = convert(Job(out, label, src, open_src, destination), opts, FormatError)

@@ -126,10 +126,25 @@ class OptimizerSource:
                                  f"{', '.join(self.states)} missing) while the others have: megatron-core's load "
                                  f"(StrictHandling.RAISE_ALL) fails on this checkpoint and would on the output")
         self.params = set(by_key)  # model keys (source prefix) that have optimizer state
+        # Megatron-LM's --make-vocab-size-divisible-by rows beyond the HF vocab: not in HF tensor space, which
+        # every copy goes through (the weights' rows are zero or the source is refused: McoreView.integrity)
+        self.vocab_padding = {k: self.reader.shape(k)[0] - view.cfg.vocab for k in sorted(self.params)
+                              if rows.get(k, {}).get("vocab") and self.reader.shape(k)[0] > view.cfg.vocab}
         self.flag = flag
         self.chains = sorted({chain for _, chain in self.keys.values()}, key=lambda c: -1 if c is None else c)
         self._check = None
         self._index: dict = {}
+
+    def notes(self) -> list[str]:
+        """What the optimizer state's copy leaves out, one line each (commands print them on stderr)."""
+        if not self.vocab_padding:
+            return []
+        k, n = next(iter(self.vocab_padding.items()))
+        more = f" (+{len(self.vocab_padding) - 1} more)" if len(self.vocab_padding) > 1 else ""
+        return [f"{self.view.path}: the optimizer states of the {n} vocab padding rows of {k}{more} are not carried "
+                f"(rows beyond the HF vocab of {self.view.cfg.vocab}, outside the HF tensor space every copy goes "
+                f"through): the output's padding rows, if any (--make-vocab-size-divisible-by), start from zero "
+                f"weights and zero Adam moments"]
 
     def source_check(self) -> SourceCheck | None:
         """The manifest check of the bytes read by the jobs of :class:`OptimizerView` (mcore2hf
