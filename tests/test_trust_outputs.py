@@ -206,3 +206,30 @@ def test_the_adapter_dir_is_an_output_of_its_own_kind(w, capsys):
     scratch = [s for s in seen if s]
     assert scratch and all(os.path.dirname(s).startswith(merged + ".partial-") for s in scratch)
     assert not any(n.startswith("merged.") for n in os.listdir(fresh))  # staging, scratch, lock: all gone
+
+
+def test_json_replaces_only_a_json_report(w, capsys):
+    """--json FILE: an existing file that is not JSON (a user's notes) is left as it is (exit 2, one line); a JSON
+    document there (an earlier report) is replaced, by a rename (no partial file left)."""
+    d = os.path.join(w["root"], "json_test")
+    os.makedirs(d)
+    notes, old = os.path.join(d, "notes.txt"), os.path.join(d, "report.json")
+    with open(notes, "w") as f:
+        f.write("my notes")
+    with open(old, "w") as f:
+        f.write('{"old": true}')
+    rc, err = _cli(capsys, ["inspect", w["hf"], "--json", notes])
+    assert rc == 2 and len(err) == 1 and "--json" in err[0] and "not a JSON report" in err[0], err
+    assert open(notes).read() == "my notes"
+    rc, err = _cli(capsys, ["inspect", w["hf"], "--json", old])
+    assert rc == 0, err
+    assert "old" not in json.load(open(old)) and sorted(os.listdir(d)) == ["notes.txt", "report.json"]
+
+
+def test_verify_fsdp_of_a_lora_checkpoint_is_refused_as_the_readme_says(w, capsys):
+    """README: ``verify --fsdp`` refuses a LoRA checkpoint in one line; the line names what reads one (fsdp2hf and
+    its flags), not flags verify does not have."""
+    rc, err = _cli(capsys, ["verify", "--fsdp", w["lora"], "--no-progress"])
+    assert rc == 2 and len(err) == 1 and "a LoRA checkpoint" in err[0] and "only fsdp2hf reads one" in err[0], err
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert "(`--fsdp`: a LoRA checkpoint is refused in one line" in readme

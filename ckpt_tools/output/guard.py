@@ -1,6 +1,7 @@
 """``--out`` checked before any work: a usable name, not an input, replaced only when it holds nothing we would not write."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -129,8 +130,9 @@ def check_holder(output, names) -> str:
 
 def check_report(path: str | None, inputs: dict, flag: str, error=OutError):
     """A report file (``--json FILE``) checked before any work: not a symlink (never followed), not a directory,
-    its parent exists, not an input file nor inside an input directory (realpaths). An existing regular file
-    elsewhere is replaced, atomically (``cli.commands``). ``-`` is stdout."""
+    its parent exists, not an input file nor inside an input directory (realpaths). An existing file elsewhere is
+    replaced (atomically: ``cli.commands``) only when it is a JSON document, as every report is: anything else is
+    not ours to delete. ``-`` is stdout."""
     if path is None or path == "-":
         return
     if os.path.islink(path):
@@ -149,6 +151,13 @@ def check_report(path: str | None, inputs: dict, flag: str, error=OutError):
                 raise error(f"{flag} {show(path)} is {given} {show(one)}; refusing to write over an input")
             if _inside(rout, os.path.dirname(rin) if os.path.isfile(rin) else rin):
                 raise error(f"{flag} {show(path)} is inside {given} {show(one)}; write the report outside the input")
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                json.loads(f.read())
+        except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+            raise error(f"{flag} {show(path)} exists and is not a JSON report; it is left as it is: move it or "
+                        f"choose another path") from None
 
 
 def check_replaceable(output):
