@@ -233,3 +233,24 @@ def test_verify_fsdp_of_a_lora_checkpoint_is_refused_as_the_readme_says(w, capsy
     assert rc == 2 and len(err) == 1 and "a LoRA checkpoint" in err[0] and "only fsdp2hf reads one" in err[0], err
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert "(`--fsdp`: a LoRA checkpoint is refused in one line" in readme
+
+
+def test_under_torchrun_the_adapter_and_the_report_have_one_writer(w, tmp_path, capsys):
+    """fsdp2hf --lora-adapter-out and --merge-lora, and verify --json, on 2 torchrun ranks: every rank exits 0, rank 0
+    alone stages and publishes the adapter (the other waits for its result), the bytes are one process's, nothing
+    of ours is left beside the outputs."""
+    from test_distributed import QUIET, _torchrun
+
+    one, ad1 = str(tmp_path / "one"), str(tmp_path / "ad_one")
+    base = ["fsdp2hf", "--fsdp", w["lora"], "--lora-alpha", str(LORA["alpha"])]
+    assert _cli(capsys, base + ["--out", one, "--lora-adapter-out", ad1, "--no-progress"]) == (0, [])
+    d = tmp_path / "dist"
+    d.mkdir()
+    two, ad2, merged, js = (str(d / n) for n in ("two", "ad_two", "merged", "report.json"))
+    codes, p = _torchrun(tmp_path, [base + ["--out", two, "--lora-adapter-out", ad2, *QUIET],
+                                    base + ["--out", merged, "--merge-lora", *QUIET],
+                                    ["verify", "--hf", two, "--json", js, *QUIET]], n=2)
+    assert codes == {0: [0, 0, 0], 1: [0, 0, 0]}, p.stderr[-3000:]
+    for n in (ADAPTER_FILE, ADAPTER_CONFIG):
+        assert open(os.path.join(ad1, n), "rb").read() == open(os.path.join(ad2, n), "rb").read()
+    assert json.load(open(js))["ok"] and sorted(os.listdir(d)) == ["ad_two", "merged", "report.json", "two"]
