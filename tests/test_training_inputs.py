@@ -201,3 +201,19 @@ def test_the_verl_resume_settings_in_the_docs_are_what_verl_reads():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     assert ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer] \\\n"
             "    actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer]") in doc
+
+
+def test_a_megatron_lm_common_pt_with_its_args_is_copied(ckpts, tmp_path):
+    """Megatron-LM's common.pt also holds its ``args`` (an argparse.Namespace: training/checkpointing.py), which
+    torch's weights-only unpickler admits only when allowed: it is (a plain attribute holder), and the file is
+    copied byte for byte."""
+    import argparse
+
+    src = _copy(ckpts, "A", tmp_path)
+    cp = os.path.join(src, "common.pt")
+    _resave(cp, lambda c: c.update(args=argparse.Namespace(tensor_model_parallel_size=1, params_dtype=torch.bfloat16,
+                                                            data_path=["x"]), iteration=100, checkpoint_version=3.0))
+    out = str(tmp_path / "out")
+    rc, _, err = _keep(ckpts, src, out)
+    assert rc == 0 and not [ln for ln in err if "common.pt" in ln], err
+    assert open(cp, "rb").read() == open(os.path.join(out, "common.pt"), "rb").read()

@@ -18,6 +18,7 @@ saving topology (megatron resumes another one with ``--no-load-rng``).
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import io
 import os
@@ -37,11 +38,20 @@ from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, recor
 # ``optimizer.distributed.dp_group_idx_{i}.*`` (dp_zero_gather_scatter: ShardedObjects, one per DP group;
 # fully_sharded_bucket_space: flat ShardedTensors of the grad buffers' buckets), tied to the saving job's buckets
 PER_DP_GROUP = "optimizer.distributed.dp_group_idx_"
+COMMON_MAX = 1 << 30  # bytes of common.pt read at most (it holds param groups, step, lr scheduler, args)
 RNG_KEY = "rng_state"  # verl get_rng_state / Megatron-LM generate_state_dict: ShardedObject "rng_state"
 
 
 class OptimizerError(DistCkptError):
     pass
+
+
+def load_common(data: bytes):
+    """``common.pt``'s bytes loaded by torch's weights-only unpickler with ``argparse.Namespace`` allowed (see
+    :meth:`OptimizerSource.common`); torch's own warning about a refused pickle silenced (the caller says it)."""
+    with warnings.catch_warnings(), torch.serialization.safe_globals([argparse.Namespace]):
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch._weights_only_unpickler")
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
 def _source_check(path: str) -> SourceCheck | None:
@@ -197,16 +207,21 @@ class OptimizerSource:
 
     def common(self) -> bytes:
         """The source's common.pt, byte for byte, checked as an input (it is copied): against the source's
-        manifest when it has one (every byte), loadable with torch's weights-only unpickler
-        (torch/serialization.py ``load(weights_only=True)``: plain containers and tensors, nothing runs) from the
-        very bytes returned, and its optimizer's ``param_state_sharding_type`` that of the state keys
+        manifest when it has one (every byte), at most :data:`COMMON_MAX` bytes, loadable with torch's
+        weights-only unpickler (torch/serialization.py ``load(weights_only=True)``: plain containers and tensors,
+        nothing runs; plus ``argparse.Namespace``, a plain attribute holder, for Megatron-LM's ``args``: megatron
+        training/checkpointing.py ``generate_state_dict`` saves ``state_dict['args'] = args``) from the very bytes
+        returned, and its optimizer's ``param_state_sharding_type`` that of the state keys
         (megatron-core 0.12.1 distrib_optimizer.py ``load_state_dict`` dispatches on it), one per chained
         optimizer. Any failure is one line (:class:`OptimizerError`; a manifest mismatch :class:`IntegrityError`)."""
         fp = os.path.join(self.reader.path, "common.pt")
         what = f"{self.flag}: {fp}"
         try:
             with open(fp, "rb") as f:
-                data = f.read()
+                data = f.read(COMMON_MAX + 1)
+            if len(data) > COMMON_MAX:
+                raise OptimizerError(f"{what}: larger than {COMMON_MAX >> 20} MiB (param groups, step and lr "
+                                     f"scheduler take kilobytes): not read")
         except FileNotFoundError:
             raise OptimizerError(f"{self.flag}: {self.reader.path} has no common.pt (the optimizer's param "
                                  f"groups and step live there)") from None
@@ -222,9 +237,7 @@ class OptimizerSource:
                 if got != h:
                     raise IntegrityError(checksum_mismatch("common.pt", off, n, w, got, h))
         try:
-            with warnings.catch_warnings():  # (torch's own warning about a refused pickle: our one line says it)
-                warnings.filterwarnings("ignore", category=UserWarning, module="torch._weights_only_unpickler")
-                common = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            common = load_common(data)
         except Exception as e:  # noqa: BLE001 - a damaged or foreign file raises anything
             raise OptimizerError(f"{what}: not loadable with weights_only=True ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:160] if str(e) else ''}); it is copied into the output: "
@@ -408,7 +421,8 @@ class TrainingDestination(TorchDistDestination):
 def training_summary(reader) -> dict | None:
     """What a torch_dist checkpoint holds beyond the model (``inspect``): the optimizer's sharding type, its
     states, parameters and bytes, the step and lr of its param groups (common.pt, read with torch's weights-only
-    unpickler; "unread" when it holds other objects, e.g. Megatron-LM's args), the rng objects. None: none."""
+    unpickler, Megatron-LM's args allowed: :func:`load_common`; "unread" when it holds other objects), the rng
+    objects. None: none."""
     kind = sharding_type(reader)
     rng = sorted(o for o in reader.objects if o.split("/")[0] == RNG_KEY)
     if kind is None and not rng:
@@ -420,7 +434,8 @@ def training_summary(reader) -> dict | None:
                    chained=sorted({p[0] for _, p in keys if p[0] is not None}),
                    bytes=sum(box_numel(tuple((0, n) for n in reader.shape(k))) * 4 for k, _ in keys))
     try:
-        common = torch.load(os.path.join(reader.path, "common.pt"), weights_only=True, map_location="cpu")
+        with open(os.path.join(reader.path, "common.pt"), "rb") as f:
+            common = load_common(f.read(COMMON_MAX))
     except Exception:  # noqa: BLE001 - anything but plain data (or no file): not shown
         out["step"] = "unread"
         return out

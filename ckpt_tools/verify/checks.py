@@ -184,8 +184,9 @@ def checked_source(path: str, open_view, cmd: str):
     bad = [p for rel, p in warn if rel in copied]      # common.pt): inputs like the weights, refused alike
     if bad:
         fail(IntegrityError, "source does not match its manifest: ", bad)
-    probs, _ = structure_checks(view)
-    bad = [p for p, weights in probs if weights or any(re.match(rf"(missing )?{re.escape(f)}\b", p) for f in copied)]
+    probs, _ = structure_checks(view)  # a copied file's structure: checked, one line, where it is read and copied
+    probs = [(p, w) for p, w in probs if not any(re.match(rf"(missing )?{re.escape(f)}\b", p) for f in copied)]
+    bad = [p for p, weights in probs if weights]     # (formats/training.py OptimizerSource.common)
     if bad:
         fail(FormatError, "", bad)
     for p in [p for _, p in warn] + [p for p, _ in probs]:
