@@ -43,7 +43,8 @@ OUTPUTS = {"hf2mcore": ["--out"], "mcore2hf": ["--out", "--optimizer-out"], "res
 INPUTS = {"hf2mcore": {"--hf"}, "mcore2hf": {"--mcore", "--hf-config"}, "fsdp2hf": {"--fsdp", "--hf-config"},
           "reshard": {"--from", "--hf-config"}, "verify": {"--hf", "--mcore", "--vllm", "--hf2", "--fsdp", "--hf-config"},
           "plan": {"--config", "--calibrate"}, "inspect": {"path", "--hf-config"}}
-NOT_PATHS = {"mcore2hf": {"--prefix"}, "reshard": {"--prefix", "--vllm-version"}, "verify": {"--prefix"}}
+NOT_PATHS = {"hf2mcore": {"--megatron-version"}, "mcore2hf": {"--prefix"},
+             "reshard": {"--prefix", "--vllm-version", "--megatron-version"}, "verify": {"--prefix"}}
 TARGETS = ["the input", "an entry inside it", "a new name inside it", "its parent"]
 ROWS = [(c, f, i, t, link) for c, fs in OUTPUTS.items() for f in fs for i in COMMANDS[c][1] for t in TARGETS
         for link in (False, True)] + [(c, f, None, "a foreign directory", link) for c, fs in OUTPUTS.items()

@@ -218,8 +218,10 @@ def cmd_hf2mcore(args) -> int:
                          last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                          workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
                          vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
-    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
+                         megatron_version=args.megatron_version)
+    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, megatron-core {r['megatron_version']}, {r['dtype']}, "
+          f"{r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
     return 0
 
@@ -269,13 +271,15 @@ def cmd_reshard_mcore(args) -> int:
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
                             progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
                             dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
-                            keep_optimizer=args.keep_optimizer)
+                            keep_optimizer=args.keep_optimizer, megatron_version=args.megatron_version)
     what = (f"model weights + optimizer state ({', '.join(r['optimizer_states'])} of {r['optimizer_params']} "
             f"parameters, {fmt_bytes(r['optimizer_bytes'])}) + the source's common.pt"
             if args.keep_optimizer else f"model weights only: {r['dropped']} other entries dropped")
-    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
-          f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
-          f"{r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed)")
+    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, megatron-core {r['megatron_version']}, {r['dtype']}, "
+          f"{r['chunks']} chunks + {r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} "
+          f"in {r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed"
+          + (f", source saved by megatron-core {r['source_megatron_version']}" if r.get("source_megatron_version") else "")
+          + ")")
     if args.keep_optimizer and r.get("rng_dropped"):
         print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology's PP x TP grid): resume with "
               f"--no-load-rng (Megatron-LM); verl: actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer] "
@@ -289,7 +293,8 @@ def cmd_reshard_vllm(args) -> int:
         return 2
     vllm_set = [f for f, v in (("--pp", args.pp != 1), ("--etp", args.etp), ("--num-layers-in-first-pipeline-stage", args.first),
                                ("--num-layers-in-last-pipeline-stage", args.last), ("--layer-list", args.layer_list),
-                               ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec)) if v]
+                               ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec),
+                               ("--megatron-version", args.megatron_version)) if v]
     if args.tp is None or vllm_set:
         why = "--tp is required" if args.tp is None else f"{vllm_set[0]} applies to --to mcore only"
         print(f"ckpt-tools reshard: error: --to vllm: {why}", file=sys.stderr)
@@ -476,7 +481,8 @@ def cmd_inspect(args) -> int:
             "experts": v.cfg.experts, "tensors": len(v.shapes),
             "dtype": "+".join(sorted(f"torch.{n}" for n in v.dtype_names()))}
     if v.kind == "mcore":
-        info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
+        info.update(prefix=v.ckpt.prefix, spec=v.spec, megatron=v.line, keys=len(v.layout.tensors),
+                    objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))
         info["loaders"] = v.loaders()
         training = training_summary(v.ckpt)
@@ -491,7 +497,8 @@ def cmd_inspect(args) -> int:
         info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
     if isinstance(getattr(v, "reader", None), BlockScaledReader):  # FP8: which tensors, their blocks
         info["fp8"] = v.reader.summary()
-    show = {"loaders": format_loaders, "fp8": format_fp8, "training": format_training}
+    show = {"loaders": format_loaders, "fp8": format_fp8, "training": format_training,
+            "megatron": lambda line: f"core {line} line (.metadata as megatron-core {line}'s save writes it)"}
     for k, val in info.items():
         print(f"{k:>12}: {show[k](val) if k in show else val}")
     _dump(info, args.json)

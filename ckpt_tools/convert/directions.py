@@ -9,7 +9,7 @@ import functools
 import os
 import sys
 
-from converters import vllm_names
+from converters import megatron_lines, vllm_names
 
 from ..copy.plan import Op
 from ..core.lazy import dtype_name, torch, torch_dtype
@@ -57,10 +57,27 @@ def is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
+def megatron_line(version) -> str:
+    """``--megatron-version`` (None: the users' line) -> the target's megatron-core line (converters/megatron_lines.py),
+    one line naming the flag when unknown."""
+    if version is None:
+        return megatron_lines.USERS_LINE
+    try:
+        return megatron_lines.resolve(version)
+    except ValueError as e:
+        raise LayoutError(f"--megatron-version: {e}") from None
+
+
 def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
-              keep_optimizer=False):
+              keep_optimizer=False, megatron_version=None):
     """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened;
-    ``keep_optimizer``: the source's optimizer state and common.pt too (:class:`TrainingDestination`)."""
+    ``keep_optimizer``: the source's optimizer state and common.pt too (:class:`TrainingDestination`);
+    ``megatron_version``: the megatron-core line the output is for (default: the users' 0.12)."""
+    line = megatron_line(megatron_version)
+    if keep_optimizer and megatron_lines.LINES[line]["optimizer"] is None:
+        raise LayoutError(f"--keep-optimizer writes megatron-core 0.12's fully_sharded_model_space optimizer state, "
+                          f"which megatron-core {line} neither saves nor loads: leave out --megatron-version {line} "
+                          f"(or the optimizer state)")
     par = megatron_parallel(cfg, **topo)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
@@ -68,8 +85,9 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
 
     def destination(view):
         dt = _fixed_dtypes(layout.tensors, _dtype(dtype, None) or _key_dtypes(layout, view))
-        info.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
-        side = {"source": os.path.abspath(src), "spec": spec, "dtype": info["dtype"], "pp": par.pp, "tp": par.tp,
+        info.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors), megatron_version=line)
+        side = {"source": os.path.abspath(src), "megatron_version": line, "spec": spec, "dtype": info["dtype"],
+                "pp": par.pp, "tp": par.tp,
                 "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage), "world": par.world,
                 "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}
         # what a later command must know of how this checkpoint was made (formats.torch_dist.read_side_car):
@@ -88,7 +106,7 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
             for n in opt.notes():
                 print(f"ckpt-tools {label}: note: {n}", file=sys.stderr)
             return TrainingDestination(layout, view, dt, opt, side_car=side)
-        return TorchDistDestination(layout, view, dt, side_car=side)
+        return TorchDistDestination(layout, view, dt, side_car=side, line=line)
 
     view, _, res = convert(Job(out, label, src, open_src, destination), opts, FormatError)
     res.update(info)
@@ -98,13 +116,14 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
              vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-             divide="files", no_mtp=False) -> dict:
+             divide="files", no_mtp=False, megatron_version=None) -> dict:
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    megatron_line(megatron_version)  # a bad --megatron-version before --out is touched
     output = _guarded(out, "mcore", overwrite, {"--hf": hf})
     cfg = load_config(hf, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     return _to_mcore(output, hf, "hf2mcore", lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
-                     vocab_size_divisible_by, opts)[1]
+                     vocab_size_divisible_by, opts, megatron_version=megatron_version)[1]
 
 
 def _guarded(out, kind, overwrite, inputs) -> Output:
@@ -160,7 +179,7 @@ def _dt_name(dt, keys) -> str:
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                 layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                 vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False) -> dict:
+                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False, megatron_version=None) -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
@@ -177,7 +196,8 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
                           layer_list=layer_list, spec=spec, dtype=dtype, workers=workers, max_memory=max_memory,
                           overwrite=overwrite, vocab_size_divisible_by=vocab_size_divisible_by, progress=progress,
                           direct_io=direct_io, io_threads=io_threads, dist_timeout=dist_timeout, divide=divide,
-                          no_mtp=no_mtp)
+                          no_mtp=no_mtp, megatron_version=megatron_version)
+    megatron_line(megatron_version)
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
@@ -194,8 +214,8 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
         return view
 
     view, res = _to_mcore(output, src, "reshard", open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
-                          keep_optimizer)
-    res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
+                          keep_optimizer, megatron_version)
+    res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders(), source_megatron_version=view.line)
     return res
 
 
@@ -368,15 +388,16 @@ def _fsdp_config(src: str, hf_config: str | None, no_mtp: bool):
 def fsdp2mcore(src: str, out: str, hf_config: str | None = None, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-               divide="files", no_mtp=False, lora=None) -> dict:
+               divide="files", no_mtp=False, lora=None, megatron_version=None) -> dict:
     """``reshard --from`` a verl FSDP checkpoint ``--to mcore``: its model weights as hf2mcore writes them."""
     inputs = {"--from": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    megatron_line(megatron_version)
     output = _guarded(out, "mcore", overwrite, inputs)
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     view, res = _to_mcore(output, src, "fsdp2mcore", lambda: FsdpView(src, cfg, lora=lora), cfg, topo, spec,
-                          dtype, vocab_size_divisible_by, opts)
+                          dtype, vocab_size_divisible_by, opts, megatron_version=megatron_version)
     res.update(dropped=0, source_prefix="")
     return res
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import itertools
 import os
 import warnings
 
@@ -31,7 +32,7 @@ from ..core.lazy import torch
 from ..integrity import MANIFEST, SourceCheck, hash_bytes, load_manifest
 from ..integrity.manifest import checksum_mismatch
 from ..layout import IntervalIndex, box_intersect, box_numel, box_shape, box_shift
-from ..layout.optimizer import ORIG_SHAPE, STATES, flat_boxes, local_shape, parse_key, row_of, state_key
+from ..layout.optimizer import ORIG_SHAPE, STATES, ModelSpacePlan, local_shape, parse_key, row_pieces
 from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, record_template
 
 # megatron-core 0.12.1 distrib_optimizer.py sharded_state_dict: the per-DP-group types save
@@ -183,12 +184,11 @@ class OptimizerSource:
             if base.slow or not r.head_ok(base):
                 raise OptimizerError(f"{r.path}: {base.what} is not a plain torch.save of a contiguous float32 "
                                      f"tensor: not read")
-            origin = tuple(b[0] * n for b, n in zip(cbox[:-1], local))
-            fs, fe = cbox[-1]
-            for f, box in flat_boxes(local, fs, fe):
-                mbox = box_shift(box, tuple(-o for o in origin))
-                items.append((mbox, Rec(base.path, base.offset + (f - fs) * 4, box_shape(box), torch.float32,
-                                        what=f"{base.what} (elements {f}..{f + box_numel(box)} of its chunk)")))
+            fs = cbox[-1][0]
+            for mbox, at in row_pieces(local, cbox):
+                f = fs + at
+                items.append((mbox, Rec(base.path, base.offset + at * 4, box_shape(mbox), torch.float32,
+                                        what=f"{base.what} (elements {f}..{f + box_numel(mbox)} of its chunk)")))
         idx = self._index[(state, mkey)] = IntervalIndex(items, 0)
         return idx
 
@@ -321,43 +321,22 @@ class TrainingDestination(TorchDistDestination):
     def __init__(self, layout, source, dtype, opt: OptimizerSource, side_car: dict | None = None):
         super().__init__(layout, source, dtype, side_car)
         self.opt = opt
-        cfg, par = layout.cfg, layout.par
-        chained = cfg.is_moe  # optimizer/__init__.py get_megatron_optimizer: dense and expert optimizers, chained
-        if chained:
-            for s in range(par.pp):
-                if not any(cfg.layer_is_moe(i) for i in range(cfg.layers) if par.stage_of_layer(i) == s):
-                    raise OptimizerError(f"--keep-optimizer: pipeline stage {s} would hold no MoE layer: megatron "
-                                         f"builds a single (not chained) optimizer there, whose state this writer "
-                                         f"does not lay out")
-        self.params = {}
-        for key, ts in layout.tensors.items():
-            have = {opt.has_state(sg.hf) for sg in ts.segments}
-            if None in have or len(have) > 1:
-                raise OptimizerError(f"--keep-optimizer: {key} is made of source tensors of which only some have "
-                                     f"optimizer state")
-            if have.pop():
-                chain = (1 if layout._rows[key].get("where") == "expert" else 0) if chained else None
-                self.params[key] = chain
-        nd = {}
-        self.opt_recs, self.opt_storage, self.opt_meta = [], {}, {}
+        par = layout.par
+        # what megatron saves at the target (layout/optimizer.py): which parameters, each state's rows
+        self.plan = ModelSpacePlan(layout, self.chunks, opt.states, opt.has_state, OptimizerError)
+        self.params = self.plan.params
+        # where they go: each row after the rank file's chunks and objects, as one torch.save'd record
+        self.opt_recs, self.opt_storage = [], {}
         pos = dict(self.files)
-        for c in self.chunks:
-            if c.key not in self.params:
-                continue
-            shape = layout.tensors[c.key].shape
-            reform, row = row_of(shape, c.box)
-            n = reform[-1]
-            fn = f"__{c.rank}_0.distcp"
-            head, tail = record_template((1,) * len(shape) + (n,), torch.float32)
-            for state in opt.states:
-                k = state_key(state, c.key, self.params[c.key])
+        for chunk, rows in itertools.groupby(self.plan.records, key=lambda r: r.chunk):
+            fn = f"__{chunk.rank}_0.distcp"  # one name object per chunk: .metadata's pickle memoizes it as before
+            for r in rows:
+                head, tail = record_template(r.shape, torch.float32)
                 off = pos.get(fn, 0)
-                length = len(head) + 4 * n + len(tail)
+                length = len(head) + 4 * r.numel + len(tail)
                 pos[fn] = off + length
-                self.opt_storage[(k, row)] = (fn, off, length)
-                self.opt_meta.setdefault(k, (reform, shape, []))[2].append(row)
-                self.opt_recs.append((c, state, fn, off + len(head), head, tail))
-                nd[k] = n
+                self.opt_storage[(r.key, r.offset)] = (fn, off, length)
+                self.opt_recs.append((chunk, r.state, fn, off + len(head), head, tail))
         # the rng states belong to the saving topology's (PP, TP) grid: kept byte for byte when the target has
         # the same grid (verl load_rng_states indexes the object by its own PP / TP rank), else dropped
         self.rng = {}
@@ -398,7 +377,7 @@ class TrainingDestination(TorchDistDestination):
     def _metadata(self, m):
         md = super()._metadata(m)
         sdm, sd = md.state_dict_metadata, md.storage_data
-        for k, (reform, shape, rows) in self.opt_meta.items():
+        for k, (reform, shape, rows) in self.plan.keys().items():
             sdm[k] = m.TensorStorageMetadata(m.TensorProperties(dtype=torch.float32), torch.Size(reform),
                                              [m.ChunkStorageMetadata(torch.Size(r), torch.Size((1,) * len(shape) + (reform[-1],)))
                                               for r in rows])
