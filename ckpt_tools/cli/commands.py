@@ -20,6 +20,7 @@ from ..formats.training import training_summary
 from ..formats.views import ERRORS, FsdpView, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
+from ..output import guard
 from ..torchrun import ranks as distributed
 from ..verify import check_one, inspect_checks, print_notes, print_one, print_report, verify, verify_optimizer
 
@@ -28,13 +29,33 @@ def _prog(args) -> bool:
     return not getattr(args, "no_progress", False)
 
 
+REPORT_INPUTS = {"hf": "--hf", "mcore": "--mcore", "vllm": "--vllm", "hf2": "--hf2", "fsdp": "--fsdp",
+                 "hf_config": "--hf-config", "config": "--config", "calibrate": "--calibrate", "path": "PATH"}
+
+
+def check_report(args):
+    """``--json FILE`` (verify, plan, inspect) checked before any work: never an input file, inside an input
+    directory, a directory or a symlink (:func:`~ckpt_tools.output.guard.check_report`)."""
+    inputs = {flag: getattr(args, dest) for dest, flag in REPORT_INPUTS.items() if getattr(args, dest, None)}
+    guard.check_report(getattr(args, "json", None), inputs, "--json")
+
+
 def _dump(obj, path):
+    """The report: to stdout (``-``), or to ``path`` by rank 0 alone, written beside it and renamed over it (an
+    interrupted run leaves the old report or none, never half of one; a symlink there is replaced, not followed)."""
     if path == "-":
         json.dump(obj, sys.stdout, indent=1)
         print()
-    elif path:
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=1)
+    elif path and distributed.world()[0] == 0:
+        tmp = f"{path}.partial-{os.getpid()}"
+        try:
+            with open(tmp, "x") as f:
+                json.dump(obj, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
 
 
 def find_hf_config(mcore: str, cmd: str) -> str:
@@ -261,7 +282,8 @@ def cmd_reshard_mcore(args) -> int:
           + ")")
     if args.keep_optimizer and r.get("rng_dropped"):
         print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology's PP x TP grid): resume with "
-              f"--no-load-rng")
+              f"--no-load-rng (Megatron-LM); verl: actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer] "
+              f"and load_contents=[model,optimizer] (docs/usage.md)")
     return 0
 
 
@@ -484,6 +506,7 @@ def cmd_inspect(args) -> int:
 
 
 def run(args) -> int:
+    check_report(args)
     if args.cmd == "reshard":
         return (cmd_reshard_mcore if args.to == "mcore" else cmd_reshard_vllm)(args)
     return COMMANDS[args.cmd](args)

@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Adam moments) laid out for the target topology, which megatron-core loads at any DP size, "
                         "and the source's common.pt (param groups, step, lr scheduler). The RNG states are dropped "
                         "unless the target has the source's PP x TP (they belong to the saving topology: resume "
-                        "with --no-load-rng). dp_zero_gather_scatter / "
+                        "with --no-load-rng; verl: checkpoint save_contents and load_contents [model,optimizer], docs/usage.md). "
+                        "dp_zero_gather_scatter / "
                         "fully_sharded_bucket_space state is refused")
     p.add_argument("--hf-config", default=None, help="HF config dir for a Megatron --from (default: verl's huggingface/ "
                                                       "beside it, or the HF source a ckpt-tools output records)")

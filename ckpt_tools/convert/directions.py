@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from converters import megatron_lines, vllm_names
 
@@ -14,7 +15,7 @@ from ..copy.plan import Op
 from ..core.lazy import dtype_name, torch, torch_dtype
 from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
-from ..formats.lora import cleanup, merged_ops, write_adapter
+from ..formats.lora import adapter_config, cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
 from ..formats.training import OptimizerSource, OptimizerView, TrainingDestination
 from ..formats.views import FormatError, FsdpView, HFView, McoreView, exact_widening, open_view, widest
@@ -31,7 +32,9 @@ from ..layout import (
 )
 from ..layout.model_config import load_config
 from ..layout.optimizer import STATES
+from ..output.guard import check_holder
 from ..output.stage import Output
+from ..torchrun import ranks
 from .driver import Job, Options, convert
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch dtype name (core.lazy)
@@ -99,7 +102,10 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
         if keep_optimizer:
             side.update(optimizer="fully_sharded_model_space")
-            return TrainingDestination(layout, view, dt, OptimizerSource(view), side_car=side)
+            opt = OptimizerSource(view)
+            for n in opt.notes():
+                print(f"ckpt-tools {label}: note: {n}", file=sys.stderr)
+            return TrainingDestination(layout, view, dt, opt, side_car=side)
         return TorchDistDestination(layout, view, dt, side_car=side, line=line)
 
     view, _, res = convert(Job(out, label, src, open_src, destination), opts, FormatError)
@@ -202,9 +208,13 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
-    view, res = _to_mcore(output, src, "reshard",
-                          lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
-                          vocab_size_divisible_by, opts, keep_optimizer, megatron_version)
+    def open_src():
+        view = McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20)
+        view.copied_files = ("common.pt",) if keep_optimizer else ()  # the gate refuses its problems, not warns
+        return view
+
+    view, res = _to_mcore(output, src, "reshard", open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
+                          keep_optimizer, megatron_version)
     res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders(), source_megatron_version=view.line)
     return res
 
@@ -275,13 +285,10 @@ def _optimizer_outputs(optimizer_out: str, open_src, overwrite: bool, inputs: di
     def output(path):
         return Output(path, "hf", overwrite, inputs, FormatError, flag="--optimizer-out")
 
-    top = output(optimizer_out)
-    d = top.dir
-    if os.path.isdir(d) and not os.path.islink(d):
+    d = check_holder(output(optimizer_out), STATES)  # --out's rules on the place; an existing DIR holds only states
+    if os.path.isdir(d):
         for s in STATES:
             output(os.path.join(d, s)).check()
-    else:  # empty, a file, a symlink, no parent, an input: --out's rules; a new DIR's state dirs meet no input
-        top.check()
     opt = OptimizerSource(open_src(), "--optimizer-out")  # one line if the source holds none
     outs = {s: output(os.path.join(d, s)) for s in opt.states}
     os.makedirs(d, exist_ok=True)
@@ -294,7 +301,8 @@ def _optimizer_to_hf(output: Output, opt: OptimizerSource, state: str, max_shard
     """One optimizer state of a training checkpoint -> HF safetensors under the weights' names, float32, through
     the same driver and engine as the weights: the state's pieces by parameter coordinate
     (:class:`~ckpt_tools.formats.training.OptimizerView`), so the layout math is the weights' own. The source's
-    integrity gate ran for the weights' job (its structure and manifest sizes); these bytes are read unchecked."""
+    integrity gate ran for the weights' job (its structure and manifest sizes); the state's bytes are checked
+    against the manifest as they are read (``OptimizerView.source_check``), so a mismatch publishes nothing."""
     def open_state():
         ov = OptimizerView(opt, state)
         if ov.mixed:
@@ -404,10 +412,15 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     inputs = {"--fsdp": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     output = _guarded(out, "hf", overwrite, inputs)
-    if merge_lora and lora_adapter_out:
+    if merge_lora and lora_adapter_out is not None:
         raise FormatError("--merge-lora and --lora-adapter-out are two different outputs: give one")
+    adapter = None
+    if lora_adapter_out is not None:  # an output like --out, checked now (before any work) against it and the inputs
+        adapter = Output(lora_adapter_out, "adapter", overwrite, {**inputs, "--out": out}, FormatError,
+                         flag="--lora-adapter-out")
+        adapter.check()
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
-    lora = "merge" if merge_lora else "adapter" if lora_adapter_out else None
+    lora = "merge" if merge_lora else "adapter" if adapter else None
     dt = _dtype(dtype, None)
     dts = {}
 
@@ -415,7 +428,9 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
         dts.update((n, dt or view.dtype_of(n)) for n in view.names())
         ops = functools.partial(_hf_ops, view)
         if lora == "merge":  # the LoRA stage: formats/lora.py
-            ops = merged_ops(view, out, ops)
+            ops = merged_ops(view, ops)
+        elif lora == "adapter":
+            adapter_config(view)  # one peft LoraConfig, or refused now, before --out is written
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size, ops,
                              _side_dir(cfg_dir), cfg.raw, cfg.config_edits())
 
@@ -430,7 +445,23 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     finally:
         if opened and lora == "merge":
             cleanup(opened[-1])
-    if lora == "adapter":
-        res["adapter"] = write_adapter(view, lora_adapter_out, overwrite)
+    if adapter is not None:
+        res["adapter"] = _write_adapter(adapter, view, opts)
     res.update(fsdp=view.describe(), dtype="+".join(sorted(set(map(str, dts.values())))))
     return res
+
+
+def _write_adapter(adapter: Output, view, opts: Options) -> dict:
+    """``--lora-adapter-out``: :func:`~ckpt_tools.formats.lora.write_adapter` through ``adapter``'s lifecycle
+    (stage, publish or discard), by rank 0 alone under torchrun."""
+    def write():
+        tmp = adapter.stage()
+        try:
+            info = write_adapter(view, tmp)
+            adapter.publish()
+        except BaseException:
+            adapter.discard()
+            raise
+        return {**info, "out": adapter.path}
+
+    return ranks.on_ranks(lambda g: (g or ranks.Solo()).lead(write, "the LoRA adapter"), opts.dist_timeout)
