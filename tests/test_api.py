@@ -20,8 +20,7 @@ from ckpt_tools import cli, convert
 from ckpt_tools.core.clients import VERL
 from ckpt_tools.formats.views import HFView
 from ckpt_tools.verify import verify
-from converters import vllm_names
-from converters.common import MEGATRON_CORE
+from converters import megatron_lines, vllm_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API = os.path.join(ROOT, "docs", "api.md")
@@ -43,13 +42,15 @@ def test_version_names_the_package_and_the_clients_it_writes_for(capsys):
     out = capsys.readouterr().out.splitlines()
     assert e.value.code == 0 and out[0] == f"ckpt-tools {ckpt_tools.__version__}", out
     lines = {ln.split(" ", 1)[0]: ln for ln in out[1:]}
-    assert lines["megatron-core"].startswith(f"megatron-core {MEGATRON_CORE}:"), out
+    assert all(f"{k} ({d['releases']}, tested {d['tested']}" in lines["megatron-core"]
+               for k, d in megatron_lines.LINES.items()) and "--megatron-version" in lines["megatron-core"], out
+    users = megatron_lines.LINES[megatron_lines.USERS_LINE]["tested"]
     assert all(v in lines["vLLM"] for v in vllm_names.known()) and "(the users')" in lines["vLLM"], out
     assert f"default here: {vllm_names.table(None)[0]}" in lines["vLLM"], out
     assert lines["verl"].startswith(f"verl {VERL}:"), out
     assert lines["installed:"].startswith("installed: Python ") and f"torch {metadata.version('torch')}" in out[-1]
     pyproject, readme = _read(os.path.join(ROOT, "pyproject.toml")), _read(README)
-    assert f'"megatron-core=={MEGATRON_CORE}"' in pyproject and f"verl=={VERL}" in readme  # the tested pins
+    assert f'"megatron-core=={users}"' in pyproject and f"verl=={VERL}" in readme  # the tested pins
     assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "ckpt_tools.__version__"}' in pyproject
     assert not re.search(r"^version\s*=\s*\"", pyproject, re.M)  # the package version is written once
     r = subprocess.run([sys.executable, "-m", "ckpt_tools.cli", "--version"], capture_output=True, text=True,
