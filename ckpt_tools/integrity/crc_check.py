@@ -89,18 +89,20 @@ def stored_entries(f, what: str, error=InputError) -> dict:
     torch/include/caffe2/serialize/inline_container.h "All files are stored uncompressed")."""
     out = {}
     try:
-        for i in zipfile.ZipFile(f).infolist():
-            name = i.filename.split("/", 1)[-1]
-            if i.compress_type != zipfile.ZIP_STORED or i.compress_size != i.file_size:
-                raise error(f"{what}: zip entry {name[:80]!r} is stored compressed (torch.save never compresses; "
-                            f"its bytes are not its data)")
-            f.seek(i.header_offset)
-            sig, nl, xl = struct.unpack("<I22xHH", f.read(30))
-            if sig != _LOCAL:
-                raise error(f"{what}: zip entry {name[:80]!r}: no local header at byte {i.header_offset}")
-            out[name] = StoredEntry(i.header_offset + 30 + nl + xl, i.file_size, i.CRC)
+        infos = zipfile.ZipFile(f).infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, struct.error, ValueError, EOFError) as e:
         raise error(f"{what}: not a readable zip ({type(e).__name__})") from None
+    for i in infos:
+        name = i.filename.split("/", 1)[-1]
+        if i.compress_type != zipfile.ZIP_STORED or i.compress_size != i.file_size:
+            raise error(f"{what}: zip entry {name[:80]!r} is stored compressed (torch.save never compresses; "
+                        f"its bytes are not its data)")
+        f.seek(i.header_offset)
+        head = f.read(30)
+        sig, nl, xl = struct.unpack("<I22xHH", head) if len(head) == 30 else (0, 0, 0)
+        if sig != _LOCAL:
+            raise error(f"{what}: zip entry {name[:80]!r}: no local header at byte {i.header_offset}")
+        out[name] = StoredEntry(i.header_offset + 30 + nl + xl, i.file_size, i.CRC)
     return out
 
 

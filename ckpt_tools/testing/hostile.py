@@ -52,11 +52,15 @@ def shared_bomb(levels: int, container: str = "tuple") -> bytes:
 
 
 def hash_bomb_dict(levels: int) -> bytes:
-    """A dict whose one key is a nested shared tuple (:func:`shared_bomb`): hashing it takes 2**levels steps."""
-    x: object = ()
-    for _ in range(levels):
-        x = (x, x)
-    return pickle.dumps({x: 1}, protocol=2)
+    """A pickle (protocol 2) of a dict whose one key is a nested shared tuple (each level two memo references to the
+    level below): unpickling it hashes the key, 2**levels steps. Written opcode by opcode (building the dict here
+    would hash it)."""
+    out = [b"\x80\x02}", b")r" + struct.pack("<I", 0) + b"0"]
+    for i in range(levels):
+        get = b"j" + struct.pack("<I", i)
+        out.append(get + get + b"\x86r" + struct.pack("<I", i + 1) + b"0")
+    out.append(b"j" + struct.pack("<I", levels) + b"K\x01s.")
+    return b"".join(out)
 
 
 def plain_rank_checkpoint(hf: str, out: str, tie: bool | None = None, replace: dict | None = None) -> str:
