@@ -271,7 +271,7 @@ class Engine(EngineIO):
             soffs[key] = need
             need = _align(need + box_numel(bx) * s.dtype.itemsize)
         fills = []  # (source record, file offset, length, arena offset)
-        for s, off, n in (self._fills(unit, spans) if self.check is not None or self.crc is not None else ()):
+        for s, off, n in (self._fills(unit, spans) if self.check is not None else ()):
             fills.append((s, off, n, need))
             need = _align(need + n)
         scratch_off = need
@@ -347,7 +347,7 @@ class Engine(EngineIO):
         self._wait_turn(unit)
         t1 = time.perf_counter()
         try:
-            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None or self.crc is not None)
+            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None)
             self._read_runs(runs, path_of)
             for fd, off, bufs, _ in runs:  # in read order (the turnstile): each source range hashed as it streams
                 self._feed(path_of[fd], off, bufs)
@@ -443,8 +443,7 @@ class Engine(EngineIO):
             ps.sort()
             end = ps[0][1]
             for a, b in ps[1:]:
-                if self.GAP_FILL < a - end <= self.FILL_MAX and any(
-                        c is not None and c.hashing(recs[key].path, end, a) for c in (self.check, self.crc)):
+                if self.GAP_FILL < a - end <= self.FILL_MAX and self.check.hashing(recs[key].path, end, a):
                     out.append((recs[key], end, a - end))
                 end = max(end, b)
         return out

@@ -5,7 +5,8 @@ A verl or megatron-core checkpoint carries no manifest of ours: the CRC-32 that 
 entry (central directory; torch/serialization.py ``get_crc32_options``, on by default) is all the integrity it
 has, and neither ``torch.load`` nor megatron's loader checks it. The engine reads a source record in pieces - a
 box of it, several units, possibly out of order, possibly split among torchrun ranks - so each piece's CRC-32 is
-computed from the bytes as they land (``zlib.crc32``, which releases the GIL, outside the engine's read turnstile)
+computed from the bytes as they land (zlib-ng's ``crc32`` where the ``fast-crc`` extra is installed, else
+zlib's; both release the GIL; outside the engine's read turnstile)
 and the pieces of an entry are joined with :func:`crc32_combine` (zlib's ``crc32_combine``, not exposed by Python's
 zlib: the same GF(2) operator method) once they cover it: every byte read is checked once, in any order. An
 entry read only in part (vocab padding, a column slice another rank takes) is read again whole from the file by
@@ -21,9 +22,15 @@ import os
 import struct
 import threading
 import zipfile
-import zlib
 
 from ..core.errors import InputError, IntegrityError
+
+try:  # zlib-ng's CRC-32 (PCLMUL; the "fast-crc" extra): ~28 GB/s here against zlib 1.2.13's ~1.9 GB/s
+    from zlib_ng.zlib_ng import crc32
+    CRC32 = "zlib-ng"
+except ImportError:
+    from zlib import crc32
+    CRC32 = "zlib"
 
 _LOCAL = 0x04034B50
 
@@ -66,7 +73,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 def crc_problem(data, crc: int, what: str) -> str | None:
     """None when ``data``'s CRC-32 is ``crc`` (or ``crc`` is 0: none written), else a short reason."""
     if crc:
-        got = zlib.crc32(data)
+        got = crc32(data)
         if got != crc:
             return f"{what}: CRC-32 mismatch (the zip says {crc:08x}, the bytes give {got:08x})"
     return None
@@ -171,7 +178,7 @@ class CrcCheck:
                         hits.append((s0, st, a, z))
                     i += 1
             for s0, st, a, z in hits:
-                crc = zlib.crc32(mv[a - off:z - off])  # (outside the lock: zlib releases the GIL)
+                crc = crc32(mv[a - off:z - off])  # (outside the lock: zlib releases the GIL)
                 with self._lock:
                     self._piece(path, s0, st, a, z, crc)
             off = end
@@ -208,7 +215,7 @@ class CrcCheck:
                         b = os.pread(fd, min(16 << 20, end - pos), pos)
                         if not b:
                             raise IntegrityError(f"{path}: truncated (a zip entry needs {st[0]} bytes at byte {s0})")
-                        crc = zlib.crc32(b, crc)
+                        crc = crc32(b, crc)
                         pos += len(b)
                     self.reread_bytes += st[0]
                     st[2] = [(s0, end, crc)]
