@@ -96,8 +96,11 @@ def zip_problem(read, length: int, data_off: int, nbytes: int, unused: list | No
     ``unused`` (a list) gets the (record offset, 4) of every CRC-32 field read and not used (record_problem's
     reuse of a verdict rests on that: keep it true when this function starts to use a field). ``info`` (a dict)
     gets ``crc_at``: the record offset of the tensor storage entry's CRC-32 in the central directory (the one
-    zipfile checks; torch's writer leaves the local header's 0 and puts a data descriptor after the data, general
-    purpose flag bit 3: torch/csrc/.../inline_container.cc through miniz)."""
+    zipfile checks). torch's PyTorchStreamWriter (torch/include/caffe2/serialize/inline_container.h,
+    ``compute_crc32 = true`` by default; torch/serialization.py ``get_crc32_options``) leaves the local header's
+    CRC-32 and sizes 0 and sets general purpose flag bit 3 (0x808 with UTF-8 names), the CRC-32 following the data
+    in a data descriptor and in the central directory: read off torch 2.13's own torch.save, both settings of
+    ``set_crc32_options``; no header of the installed torch spells it out)."""
     unused = [] if unused is None else unused
     try:
         sig, _, _, _, n, cd_size, cd_off, comment = struct.unpack("<IHHHHIIH", read(length - 22, 22))
