@@ -347,7 +347,9 @@ class Engine(EngineIO):
         self._wait_turn(unit)
         t1 = time.perf_counter()
         try:
-            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None)
+            # a hole read through inside a zip entry is fed to the checks: in a buffer of its own (the shared junk
+            # buffer's bytes are another worker's by then)
+            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None or self.crc is not None)
             self._read_runs(runs, path_of)
             for fd, off, bufs, _ in runs:  # in read order (the turnstile): each source range hashed as it streams
                 self._feed(path_of[fd], off, bufs)
