@@ -65,6 +65,10 @@ for _c, _a, _k in (
         (b"R", REDUCE, 0), (b"\x81", NEWOBJ, 0), (b"\x92", NEWOBJEX, 0), (b"b", BUILD, 0), (b"Q", BINPERSID, 0),
         (b"0", POP, 0), (b"1", POPMARK, 0), (b"\x80", NOP, 1), (b"\x95", NOP, 8), (b".", STOP, 0)):
     _OPS[_c[0]] = (_a, _k)
+_FIXED_ATOM = [-1] * 256  # an atom opcode with a fixed-size argument -> its size, opcode byte included
+for _i, _e in enumerate(_OPS):
+    if _e is not None and _e[0] == ATOM and 0 <= _e[1] < 100:
+        _FIXED_ATOM[_i] = 1 + _e[1]
 # the globals that hash the items of their argument when called (REDUCE): set(iterable), OrderedDict(pairs)
 _HASHING = {("builtins", "set"), ("builtins", "frozenset"), ("__builtin__", "set"), ("__builtin__", "frozenset"),
             ("collections", "OrderedDict")}
@@ -80,6 +84,7 @@ def scan(data, what: str) -> None:
     max_w = WEIGHT_FLOOR + WEIGHT_PER_BYTE * n
     mv = memoryview(data)
     ops = _OPS
+    fixed = _FIXED_ATOM
     stack: list = []
     marks: list = []
     memo: dict = {}
@@ -155,6 +160,15 @@ def scan(data, what: str) -> None:
                 continue
             if op == 0x28:  # MARK
                 marks.append(len(stack))
+                pos += 1
+                continue
+            k = fixed[op]
+            if k >= 0:  # an atom of a fixed size (NONE, BININT, BININT2, EMPTY_TUPLE, ...)
+                stack.append(atom)
+                pos += k
+                continue
+            if op == 0x7D:  # EMPTY_DICT
+                stack.append([atom, False])
                 pos += 1
                 continue
             ent = ops[op]
