@@ -65,6 +65,21 @@ def mla_core_attention():
     return MLADotProductAttention
 
 
+def mla_without_te() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: extensions/transformer_engine.py stands a ``MagicMock`` in
+    for the missing ``transformer_engine`` module, so ``class TELinear(te.pytorch.Linear)`` is a MagicMock too and
+    importing it succeeds; transformer/multi_latent_attention.py then sets ``HAVE_TE = True`` and ``MLASelfAttention``
+    calls ``isinstance(self.linear_proj, TELinear)`` (TypeError: arg 2 must be a type). Its ``HAVE_TE`` is set to
+    what is true: no Transformer Engine (0.12.1 has no such check)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 def allow_tp_ep_without_sp() -> None:
     """Lift ModelParallelConfig's 'EP>1 and TP>1 need sequence parallelism' check (state-dict use only)."""
     from megatron.core import model_parallel_config as mpc

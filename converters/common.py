@@ -23,6 +23,8 @@ A row is one logical weight:
           dtype, the config's ``torch_dtype``)
   untied  only when the config does not tie the embeddings (``lm_head``); ``vllm_tied``: vLLM's name of the
           tensor when they are tied
+  buffer  True for a module buffer, not a parameter (the router's expert bias): no optimizer state (megatron's
+          DistributedOptimizer holds the model's parameters only); every other row's tensor must have it
 Shapes: H hidden, d head_dim, nq/nkv heads, F intermediate, Fm expert intermediate, Fs shared-expert intermediate.
 """
 
@@ -164,7 +166,7 @@ SHARED_EXPERTS = [
          mcore="mlp.shared_experts.linear_fc2.weight", shard="col", vllm=("mlp.shared_experts.down_proj.weight", "col")),
 ]
 EXPERT_BIAS = dict(hf="mlp.gate.e_score_correction_bias", shape=_experts, where="moe", when="expert_bias",
-                   mcore="mlp.router.expert_bias", shard="rep", dtype="float32",
+                   mcore="mlp.router.expert_bias", shard="rep", dtype="float32", buffer=True,
                    vllm=("mlp.gate.e_score_correction_bias", "rep"))
 
 # Which row names each loader spec uses for the weights (the ``mcore`` dicts are keyed by these). MindSpeed keeps

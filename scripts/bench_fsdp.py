@@ -76,7 +76,7 @@ def make_checkpoint(d: str, gb: float, world: int, fp32: bool = False) -> str:
 
 
 def bench(args):
-    from bench import RAW, dir_bytes, drop_caches, raw_copy_cmd, run_step
+    from bench_common import RAW, dir_bytes, drop_caches, raw_copy_cmd, run_step
 
     gb = args.size_gb[0] if args.size_gb != [3.0, 6.0] else 2.0
     root = os.path.join(args.dir, f"fsdp_{gb:g}gb_w{args.world}")

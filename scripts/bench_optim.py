@@ -37,7 +37,7 @@ TOPO_B = ["--pp", "1", "--tp", "1", "--ep", "4"]
 
 def make_checkpoint(root: str, gb: float, workers: int = 2, dp: int = 2) -> tuple[str, str]:
     """(training checkpoint dir, HF config dir) of ~``gb`` GB in all, made once and reused."""
-    from bench import config_for_gb
+    from bench_common import config_for_gb
 
     from ckpt_tools.testing import spawn_ranks
     from ckpt_tools.testing.synth import make_synthetic_hf
@@ -61,7 +61,7 @@ def make_checkpoint(root: str, gb: float, workers: int = 2, dp: int = 2) -> tupl
 
 
 def bench(args):
-    from bench import RAW, _table, dir_bytes, drop_caches, raw_copy_cmd, run_step
+    from bench_common import RAW, dir_bytes, drop_caches, raw_copy_cmd, run_step, table
 
     gb = args.size_gb[0] if args.size_gb != [3.0, 6.0] else 2.0
     root = os.path.join(args.dir, f"optim_{gb:g}gb")
@@ -89,7 +89,7 @@ def bench(args):
             print(f"rep {rep}: {step:<26} {r['seconds']:7.2f} s  peak RSS {r['peak_rss'] / 2**30:5.2f} GiB  "
                   f"out {r['out_bytes'] / 1e9:.2f} GB", flush=True)
     print(f"\nsource: {nbytes / 1e9:.2f} GB (PP2 x TP2 x EP2, optimizer in 2 DP pieces a chunk) -> PP1 x TP1 x EP4")
-    summary = _table(rows)
+    summary = table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "summary": summary, "args": vars(args)}, f, indent=1)

@@ -13,6 +13,10 @@ python tests/mcore_worker.py '<json>' with keys:
   (MindSpeed cannot be installed and TE needs CUDA, so ``as`` te/mindspeed edits this real local-spec model's
   request; see ask_as)
   out: result dir (rank_{r}.json per rank)
+  sd_metadata: entries of the metadata ``save`` passes to sharded_state_dict (megatron-core >= 0.14: see sharded_sd)
+  jobs: [{name, and any keys above but port/out}] - several models answered in turn by one world (megatron
+        imported and the process group made once: tests/test_mcore016.py); rank_{r}.json is then {name: result}
+Runs unchanged on megatron-core 0.16.1 (.ci/lane-mcore-0.16).
 """
 import json
 import math
@@ -130,6 +134,23 @@ def fill_reference(model, hf, cfg, ranks, layer_offset, num_local_experts):
             prm.copy_(want)
 
 
+def sharded_sd(model, extra=None):
+    """``model.sharded_state_dict()`` as a trainer asks for it. megatron-core 0.16.1's GPTModel reads
+    ``metadata['dp_cp_group']`` where an MTP layer sits on a stage that is not the first (models/gpt/gpt_model.py
+    ``sharded_state_dict``: ``tie_word_embeddings_state_dict(..., dp_cp_group=metadata['dp_cp_group'])``, a
+    TypeError with no metadata), so on that line it gets what Megatron-LM's training/checkpointing.py
+    ``_build_sharded_state_dict_metadata`` passes for the model (>= 0.14): ``singleton_local_shards`` False,
+    ``chained_optim_avoid_prefix`` True, the DP x CP group (transformer/utils.py ``ensure_metadata_has_dp_cp_group``).
+    0.12.1 takes no metadata. ``extra``: entries over those (a job's ``sd_metadata``, e.g. singleton_local_shards)."""
+    try:
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+    except ImportError:  # 0.12.1
+        assert not extra, "megatron-core 0.12.1's sharded_state_dict takes no metadata"
+        return model.sharded_state_dict()
+    return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(
+        {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, **(extra or {})}))
+
+
 TE_ONLY_LAYER_OBJECTS = ["self_attention.core_attention", "self_attention.q_layernorm",
                          "self_attention.k_layernorm", "pre_mlp_layernorm"]
 
@@ -159,7 +180,7 @@ def ask_as(model, as_, last_stage):
         if as_ in ("te", "mindspeed"):
             km.pop("pre_mlp_layernorm.", None)
         m.submodules_config.sharded_state_dict_keys_map = km
-    sd = model.sharded_state_dict()
+    sd = sharded_sd(model)
 
     def walk(d):
         for k in list(d):
@@ -187,19 +208,37 @@ def ask_as(model, as_, last_stage):
 
 def run(rank, world, a):
     from ckpt_tools import _mcore_cpu
-    from ckpt_tools.testing import hf_files
-    from ckpt_tools.testing.megatron import build_gpt_model
 
     if a.get("dump_after"):  # debugging a hang: every rank prints its stack after this many seconds
         import faulthandler
 
         faulthandler.dump_traceback_later(a["dump_after"], exit=True)
     _mcore_cpu.init_process(rank, world, a["port"])
+    if "jobs" in a:
+        from megatron.core import parallel_state as ps
+
+        res = {}
+        for job in a["jobs"]:
+            res[job["name"]] = answer(rank, {**a, **job})
+            ps.destroy_model_parallel()  # the next job's model makes its own groups
+    else:
+        res = answer(rank, a)
+    with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def answer(rank, a):
+    """Build the model of ``a`` on this rank and answer every question ``a`` asks (module docstring)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from ckpt_tools.testing import hf_files
+    from ckpt_tools.testing.megatron import build_gpt_model
 
     pp = a["pp"]
     cfg = json.load(open(os.path.join(a["hf"], "config.json")))
@@ -209,7 +248,7 @@ def run(rank, world, a):
 
     res = {"rank": rank, "pp_rank": ps.get_pipeline_model_parallel_rank(), "offset": offset}
     if a.get("keys_out"):
-        sd = model.sharded_state_dict()
+        sd = sharded_sd(model)
         apply_factories(sd)
         items = []
         for v in nested_values(sd):
@@ -222,7 +261,7 @@ def run(rank, world, a):
         res["keys"] = items
     if a.get("save"):
         fill_reference(model, hf, cfg, ranks, offset, nle)
-        dist_checkpointing.save(model.sharded_state_dict(), a["save"])
+        dist_checkpointing.save(sharded_sd(model, a.get("sd_metadata")), a["save"])
     def sentinel():
         with torch.no_grad():
             for prm in weights(model).values():
@@ -244,7 +283,7 @@ def run(rank, world, a):
 
     if a.get("load"):
         sentinel()
-        loaded = dist_checkpointing.load(model.sharded_state_dict(), a["load"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        loaded = dist_checkpointing.load(sharded_sd(model), a["load"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
         put_and_compare(loaded, res)
     res["loads"] = []
     for spec in a.get("loads", ()):
@@ -276,10 +315,7 @@ def run(rank, world, a):
         logits = gather_from_tensor_model_parallel_region(logits)
         if rank == 0:
             torch.save(logits, os.path.join(a["out"], "logits.pt"))
-    with open(os.path.join(a["out"], f"rank_{rank}.json"), "w") as f:
-        json.dump(res, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ DOCUMENTED = {
     ("ckpt_tools.cli.entry", "ckpt_tools.cli.commands"): "the commands need torch: imported after _quiet_c10d",
     ("ckpt_tools.cli.entry", "numpy"): "imported with one OpenBLAS thread (_one_blas_thread), after --help",
     ("ckpt_tools.torchrun.ranks", "torch.distributed"): "the CLI imports torchrun.ranks before torch",
+    ("ckpt_tools.torchrun.connect", "torch.distributed"): "the same: ranks imports it (the store's connection)",
+    ("ckpt_tools.torchrun.group", "torch.distributed"): "the same: ranks imports it (Group's PrefixStore)",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint"): "~0.6 s (DTensor, sympy); only where the stand-ins do not apply",
     ("ckpt_tools.formats.torch_dist", "torch.distributed.checkpoint.filesystem"): "the same package",
     ("ckpt_tools.formats.torch_dist_reader", "torch._subclasses.fake_tensor"): "torch 2.6 only: ~1.1 s on first use",
@@ -246,3 +248,102 @@ def test_dtype_names_are_torchs():
         assert torch_dtype(name) is getattr(torch, name) and torch_dtype(name).itemsize == size, name
         assert dtype_name(torch_dtype(name)) == name
     assert set(_DT.values()) <= set(ITEMSIZE)
+
+
+GRAPH_DIRS = ("ckpt_tools", "converters", "scripts", "tests")  # tests/ and scripts/: their files import by bare name
+
+
+def import_graph():
+    """(modules, edges) of the repository's Python files in :data:`GRAPH_DIRS`: every ``import`` / ``from``
+    statement (at module level or in a function) naming a file of the repository is an edge to that file's module
+    (``from pkg import name``: pkg.name where that is a module, else pkg; a bare name in scripts/ or tests/: the
+    file of that name beside the importer, as their ``sys.path`` has it)."""
+    files = {}  # module -> path
+    for top in GRAPH_DIRS:
+        for dirpath, dirs, fns in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "fixtures"))
+            for fn in sorted(fns):
+                if fn.endswith(".py"):
+                    p = os.path.join(dirpath, fn)
+                    name = os.path.relpath(p, ROOT)[:-3].replace(os.sep, ".")
+                    files[name[:-9] if name.endswith(".__init__") else name] = p
+
+    def find(dotted: str, here: str):
+        parts = dotted.split(".")
+        local = os.path.relpath(os.path.dirname(files[here]), ROOT).replace(os.sep, ".")
+        for base in ([local] if local in ("scripts", "tests") else []) + [""]:
+            for k in range(len(parts), 0, -1):
+                cand = ".".join(([base] if base else []) + parts[:k])
+                if cand in files:
+                    return cand
+        return None
+
+    edges = set()
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.module == "__future__":
+                    continue
+                pkg = _resolve(module, path, node)[0]
+                targets = [f"{pkg}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                hit = find(t, module)
+                if hit is not None and hit != module:
+                    edges.add((module, hit))
+    return sorted(files), sorted(edges)
+
+
+def import_cycles(modules, edges) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative): each holds a cycle."""
+    succ = {m: [] for m in modules}
+    for a, b in edges:
+        succ[a].append(b)
+    index, low, on, stack, out, n = {}, {}, set(), [], [], 0
+    for root in modules:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = n
+                n += 1
+                stack.append(v)
+                on.add(v)
+            if i < len(succ[v]):
+                work.append((v, i + 1))
+                w = succ[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+            if work:
+                u = work[-1][0]
+                low[u] = min(low[u], low[v])
+    return out
+
+
+def test_no_import_cycle_anywhere():
+    """No circle of imports in ckpt_tools/, converters/, scripts/ or tests/ (issue 56), inside a package included;
+    the figures printed (pytest -s): modules, import edges, cycles."""
+    modules, edges = import_graph()
+    cycles = import_cycles(modules, edges)
+    print(f"import graph: {len(modules)} modules, {len(edges)} import edges, {len(cycles)} cycles")
+    assert len(modules) > 150 and len(edges) > 300  # the walk sees the repository, not a corner of it
+    assert ("scripts.bench_optim", "ckpt_tools.testing.training") in edges  # a function-level import counts
+    assert not cycles, cycles

@@ -31,7 +31,7 @@ import sys
 import pytest
 import torch
 
-from ckpt_tools.layout.optimizer import STATES, flat_boxes, local_shape, row_of
+from ckpt_tools.layout.optimizer import STATES, ModelSpacePlan, flat_boxes, local_shape, row_of, row_pieces
 from conftest import run_ranks
 
 BETA1, BETA2 = 0.9, 0.95  # tests/optim_worker.py's Adam
@@ -58,6 +58,67 @@ def test_rows_of_the_reformulated_shape():
     # strategies/torch.py: [X, Y, Z] cut in [x, y, z] -> [X // x, Y // y, Z // z, x * y * z], row at the chunk index
     assert row_of((6, 256, 128), ((2, 3), (128, 256), (0, 128))) == ((6, 2, 1, 128 * 128), (2, 1, 0, 0))
     assert local_shape((6, 256, 128), (6, 2, 1, 128 * 128)) == (1, 128, 128)
+
+
+def test_row_pieces_place_every_stored_element_at_its_model_coordinate():
+    """A DP rank's flat range of a saved row (chunk index, flat range) as boxes of the global tensor: each piece's
+    elements are the stored run at its offset, and the pieces cover the range once."""
+    shape, local = (4, 6, 8), (2, 3, 8)
+    glob = torch.arange(math.prod(shape)).reshape(shape)
+    for idx in [(0, 0, 0), (1, 1, 0), (0, 1, 0)]:
+        chunk = glob[tuple(slice(i * n, (i + 1) * n) for i, n in zip(idx, local))].reshape(-1)  # the saved row
+        for start, stop in [(0, 48), (5, 40), (8, 24), (47, 48)]:
+            seen = 0
+            for mbox, at in row_pieces(local, tuple((i, i + 1) for i in idx) + ((start, stop),)):
+                part = glob[tuple(slice(a, b) for a, b in mbox)].reshape(-1)
+                assert at == seen and torch.equal(part, chunk[start + at:start + at + part.numel()])
+                seen += part.numel()
+            assert seen == stop - start
+
+
+def _plan(tiny, pp=1, tp=2, ep=2, layer_list=None, has_state=lambda hf: True, error=None):
+    from ckpt_tools.layout import MegatronLayout, MegatronParallel, config_from_dict
+
+    cfg = config_from_dict(tiny)
+    lay = MegatronLayout(cfg, "te", MegatronParallel.build(cfg.layers, pp=pp, tp=tp, ep=ep, layer_list=layer_list))
+    return lay, ModelSpacePlan(lay, lay.chunks(), STATES, has_state, *([error] if error else []))
+
+
+def test_model_space_plan_rows_tile_every_key_and_chain_experts_apart():
+    """The target's optimizer state as megatron's fully_sharded_model_space saves it (a chained MoE optimizer):
+    one row per state per chunk, the rows of each optimizer key tiling its reformulated shape exactly once,
+    expert parameters in chain 1, everything else in chain 0."""
+    from ckpt_tools.layout import boxes_disjoint_cover
+    from ckpt_tools.testing.synth import TINY
+
+    lay, plan = _plan(TINY)
+    chunks = lay.chunks()
+    assert len(plan.records) == 3 * len(chunks) and set(plan.params) == set(lay.tensors)
+    assert [(r.chunk, r.state) for r in plan.records] == [(c, s) for c in chunks for s in STATES]
+    assert {k for k, chain in plan.params.items() if chain == 1} == {k for k in lay.tensors if lay.is_expert(k)} != set()
+    assert set(plan.params.values()) == {0, 1}
+    for r in plan.records:
+        assert r.key == f"chained_{plan.params[r.chunk.key]}.optimizer.state.{r.state}.{r.chunk.key}"
+        assert r.numel == math.prod(b - a for a, b in r.chunk.box)
+    keys = plan.keys()
+    assert len(keys) == 3 * len(lay.tensors)
+    for k, (reform, orig, rows) in keys.items():
+        assert orig == lay.tensors[k.split(".", 4)[-1]].shape and local_shape(orig, reform)
+        ok, why = boxes_disjoint_cover([tuple((o, o + 1) for o in r[:-1]) + ((0, reform[-1]),) for r in rows], reform)
+        assert ok, (k, why)
+
+
+def test_model_space_plan_refuses_what_megatron_would_not_save_so():
+    from ckpt_tools.layout import LayoutError
+    from ckpt_tools.testing.synth import TINY
+
+    dense = dict(TINY, mlp_only_layers=[0, 1])  # stage 0 of [2, 4] holds no MoE layer: megatron's optimizer is
+    with pytest.raises(KeyError, match="pipeline stage 0 would hold no MoE layer"):  # not chained there
+        _plan(dense, pp=2, tp=1, ep=1, layer_list=[2, 4], error=KeyError)
+    with pytest.raises(LayoutError, match="only some have optimizer state"):
+        _plan(TINY, has_state=lambda hf: not hf.endswith("k_proj.weight"))  # linear_qkv: q and v have, k not
+    _, plan = _plan(TINY, has_state=lambda hf: "layers" in hf)  # the embedding and head without state: left out
+    assert plan.params and all(k.startswith("decoder.layers.") for k in plan.params)
 
 
 @pytest.mark.parametrize("tensors,objects,kind", [

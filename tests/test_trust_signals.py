@@ -69,7 +69,7 @@ def test_a_rank_waiting_for_its_peer_answers_a_signal_at_once(tiny_hf_bf16, tmp_
                 try:
                     client[0] = client[0] or dist.TCPStore("127.0.0.1", port, 2, False,
                                                            datetime.timedelta(seconds=5), wait_for_workers=False)
-                    return dist.PrefixStore("ckpt-tools/.0/1/", client[0]).check(["who/0"])  # torchrun.ranks._prefix
+                    return dist.PrefixStore("ckpt-tools/.0/1/", client[0]).check(["who/0"])  # torchrun.group.prefix
                 except RuntimeError:
                     return False
             _until(joined, "rank 0 never reached the join")

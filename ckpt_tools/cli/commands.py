@@ -20,6 +20,7 @@ from ..formats.training import training_summary
 from ..formats.views import ERRORS, FsdpView, HFView, McoreView, VllmView, format_loaders, open_view
 from ..layout import PLAN_FLAGS, LayoutError, vllm_parallel
 from ..layout.model_config import load_config
+from ..output import guard
 from ..torchrun import ranks as distributed
 from ..verify import check_one, inspect_checks, print_notes, print_one, print_report, verify, verify_optimizer
 
@@ -28,13 +29,33 @@ def _prog(args) -> bool:
     return not getattr(args, "no_progress", False)
 
 
+REPORT_INPUTS = {"hf": "--hf", "mcore": "--mcore", "vllm": "--vllm", "hf2": "--hf2", "fsdp": "--fsdp",
+                 "hf_config": "--hf-config", "config": "--config", "calibrate": "--calibrate", "path": "PATH"}
+
+
+def check_report(args):
+    """``--json FILE`` (verify, plan, inspect) checked before any work: never an input file, inside an input
+    directory, a directory or a symlink (:func:`~ckpt_tools.output.guard.check_report`)."""
+    inputs = {flag: getattr(args, dest) for dest, flag in REPORT_INPUTS.items() if getattr(args, dest, None)}
+    guard.check_report(getattr(args, "json", None), inputs, "--json")
+
+
 def _dump(obj, path):
+    """The report: to stdout (``-``), or to ``path`` by rank 0 alone, written beside it and renamed over it (an
+    interrupted run leaves the old report or none, never half of one; a symlink there is replaced, not followed)."""
     if path == "-":
         json.dump(obj, sys.stdout, indent=1)
         print()
-    elif path:
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=1)
+    elif path and distributed.world()[0] == 0:
+        tmp = f"{path}.partial-{os.getpid()}"
+        try:
+            with open(tmp, "x") as f:
+                json.dump(obj, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
 
 
 def find_hf_config(mcore: str, cmd: str) -> str:
@@ -197,8 +218,10 @@ def cmd_hf2mcore(args) -> int:
                          last=args.last, layer_list=args.layer_list, spec=args.spec, dtype=args.dtype,
                          workers=args.workers, max_memory=args.max_memory, overwrite=args.overwrite,
                          vocab_size_divisible_by=args.vocab_div, progress=_prog(args), direct_io=not args.buffered_io,
-                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp)
-    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
+                         io_threads=args.io_threads, dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
+                         megatron_version=args.megatron_version)
+    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, megatron-core {r['megatron_version']}, {r['dtype']}, "
+          f"{r['chunks']} chunks + "
           f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in {r['seconds']:.1f}s")
     return 0
 
@@ -248,16 +271,19 @@ def cmd_reshard_mcore(args) -> int:
                             overwrite=args.overwrite, vocab_size_divisible_by=args.vocab_div, prefix=args.prefix,
                             progress=_prog(args), direct_io=not args.buffered_io, io_threads=args.io_threads,
                             dist_timeout=args.dist_timeout, divide=args.divide, no_mtp=args.no_mtp,
-                            keep_optimizer=args.keep_optimizer)
+                            keep_optimizer=args.keep_optimizer, megatron_version=args.megatron_version)
     what = (f"model weights + optimizer state ({', '.join(r['optimizer_states'])} of {r['optimizer_params']} "
             f"parameters, {fmt_bytes(r['optimizer_bytes'])}) + the source's common.pt"
             if args.keep_optimizer else f"model weights only: {r['dropped']} other entries dropped")
-    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, {r['dtype']}, {r['chunks']} chunks + "
-          f"{r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} in "
-          f"{r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed)")
+    print(f"wrote {r['out']}: {r['topology']}, spec {r['spec']}, megatron-core {r['megatron_version']}, {r['dtype']}, "
+          f"{r['chunks']} chunks + {r['objects']} _extra_state objects in {r['files']} files, {fmt_bytes(r['bytes'])} "
+          f"in {r['seconds']:.1f}s ({what}, source prefix {r['source_prefix']!r} removed"
+          + (f", source saved by megatron-core {r['source_megatron_version']}" if r.get("source_megatron_version") else "")
+          + ")")
     if args.keep_optimizer and r.get("rng_dropped"):
         print(f"rng states dropped ({r['rng_dropped']} objects of the saving topology's PP x TP grid): resume with "
-              f"--no-load-rng")
+              f"--no-load-rng (Megatron-LM); verl: actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer] "
+              f"and load_contents=[model,optimizer] (docs/usage.md)")
     return 0
 
 
@@ -267,7 +293,8 @@ def cmd_reshard_vllm(args) -> int:
         return 2
     vllm_set = [f for f, v in (("--pp", args.pp != 1), ("--etp", args.etp), ("--num-layers-in-first-pipeline-stage", args.first),
                                ("--num-layers-in-last-pipeline-stage", args.last), ("--layer-list", args.layer_list),
-                               ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec)) if v]
+                               ("--make-vocab-size-divisible-by", args.vocab_div), ("--spec", args.spec),
+                               ("--megatron-version", args.megatron_version)) if v]
     if args.tp is None or vllm_set:
         why = "--tp is required" if args.tp is None else f"{vllm_set[0]} applies to --to mcore only"
         print(f"ckpt-tools reshard: error: --to vllm: {why}", file=sys.stderr)
@@ -454,7 +481,8 @@ def cmd_inspect(args) -> int:
             "experts": v.cfg.experts, "tensors": len(v.shapes),
             "dtype": "+".join(sorted(f"torch.{n}" for n in v.dtype_names()))}
     if v.kind == "mcore":
-        info.update(prefix=v.ckpt.prefix, spec=v.spec, keys=len(v.layout.tensors), objects=len(v.ckpt.objects),
+        info.update(prefix=v.ckpt.prefix, spec=v.spec, megatron=v.line, keys=len(v.layout.tensors),
+                    objects=len(v.ckpt.objects),
                     files=len({si.relative_path for si in v.ckpt.storage.values()}))
         info["loaders"] = v.loaders()
         training = training_summary(v.ckpt)
@@ -469,7 +497,8 @@ def cmd_inspect(args) -> int:
         info.update(layout=v.par.describe(), vllm_version=v.version, files=len(set(v.files.values())))
     if isinstance(getattr(v, "reader", None), BlockScaledReader):  # FP8: which tensors, their blocks
         info["fp8"] = v.reader.summary()
-    show = {"loaders": format_loaders, "fp8": format_fp8, "training": format_training}
+    show = {"loaders": format_loaders, "fp8": format_fp8, "training": format_training,
+            "megatron": lambda line: f"core {line} line (.metadata as megatron-core {line}'s save writes it)"}
     for k, val in info.items():
         print(f"{k:>12}: {show[k](val) if k in show else val}")
     _dump(info, args.json)
@@ -477,6 +506,7 @@ def cmd_inspect(args) -> int:
 
 
 def run(args) -> int:
+    check_report(args)
     if args.cmd == "reshard":
         return (cmd_reshard_mcore if args.to == "mcore" else cmd_reshard_vllm)(args)
     return COMMANDS[args.cmd](args)

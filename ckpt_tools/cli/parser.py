@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 import converters
-from converters import vllm_names
+from converters import megatron_lines, vllm_names
 
 from ..core import numbers
 from ..core.errors import EXIT_CODES
@@ -37,6 +37,17 @@ def _lora_alpha(s):
     if not (0 < v <= 1e6):
         raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1e6 (got {s!r})")
     return v
+
+
+def _add_megatron_version(p, note=""):
+    """The target's megatron-core line (hf2mcore, reshard --to mcore): converters/megatron_lines.py."""
+    lines = "; ".join(f"{k} = megatron-core {d['releases']}" for k, d in megatron_lines.LINES.items())
+    p.add_argument("--megatron-version", default=None, metavar="VERSION",
+                   help=f"{note}the megatron-core that will load it, as megatron.core.__version__ prints it or its "
+                        f"line ({lines}): the torch_dist .metadata its own save writes (the model weights' keys, "
+                        f"shapes, chunks and _extra_state objects are the same in both lines); default "
+                        f"{megatron_lines.USERS_LINE}, the users' 0.12.1. A Megatron source's line is read off what "
+                        f"it holds (inspect shows it)")
 
 
 def _add_megatron_topology(p, title="Megatron target topology", tp_ep=True, spec_default="te", vocab_note=""):
@@ -115,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="HF model dir (config.json + *.safetensors [+ index])")
     p.add_argument("--out", required=True, help="output dist-checkpoint dir (written to OUT.partial-*, renamed when complete)")
     _add_megatron_topology(p)
+    _add_megatron_version(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="saved dtype of every tensor (default: each tensor's stored dtype; a key fused from tensors "
                         "of different dtypes takes the widest)")
@@ -203,13 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
                         f"vLLM's version, else {vllm_names.USERS_VERSION}")
     _add_megatron_topology(p, "--to mcore: Megatron target topology and spec (as hf2mcore)", tp_ep=False,
                            spec_default=None, vocab_note="; source padding is stripped")
+    _add_megatron_version(p, "--to mcore: ")
     p.add_argument("--keep-optimizer", action="store_true",
                    help="--to mcore from a training checkpoint (verl's or megatron's, the distributed optimizer's "
                         "default fully_sharded_model_space state): also write the optimizer state (fp32 main params, "
                         "Adam moments) laid out for the target topology, which megatron-core loads at any DP size, "
                         "and the source's common.pt (param groups, step, lr scheduler). The RNG states are dropped "
                         "unless the target has the source's PP x TP (they belong to the saving topology: resume "
-                        "with --no-load-rng). dp_zero_gather_scatter / "
+                        "with --no-load-rng; verl: checkpoint save_contents and load_contents [model,optimizer], docs/usage.md). "
+                        "dp_zero_gather_scatter / "
                         "fully_sharded_bucket_space state is refused")
     p.add_argument("--hf-config", default=None, help="HF config dir for a Megatron --from (default: verl's huggingface/ "
                                                       "beside it, or the HF source a ckpt-tools output records)")

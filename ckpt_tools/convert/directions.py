@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
-from converters import vllm_names
+from converters import megatron_lines, vllm_names
 
 from ..copy.plan import Op
 from ..core.lazy import dtype_name, torch, torch_dtype
 from ..formats.fsdp import hf_config_dir, is_fsdp
 from ..formats.hf import HFDestination
-from ..formats.lora import cleanup, merged_ops, write_adapter
+from ..formats.lora import adapter_config, cleanup, merged_ops, write_adapter
 from ..formats.torch_dist import DistCkptError, TorchDistDestination, recorded_without_mtp
 from ..formats.training import OptimizerSource, OptimizerView, TrainingDestination
 from ..formats.views import FormatError, FsdpView, HFView, McoreView, exact_widening, open_view, widest
@@ -31,7 +32,9 @@ from ..layout import (
 )
 from ..layout.model_config import load_config
 from ..layout.optimizer import STATES
+from ..output.guard import check_holder
 from ..output.stage import Output
+from ..torchrun import ranks
 from .driver import Job, Options, convert
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch dtype name (core.lazy)
@@ -54,10 +57,27 @@ def is_mcore(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
+def megatron_line(version) -> str:
+    """``--megatron-version`` (None: the users' line) -> the target's megatron-core line (converters/megatron_lines.py),
+    one line naming the flag when unknown."""
+    if version is None:
+        return megatron_lines.USERS_LINE
+    try:
+        return megatron_lines.resolve(version)
+    except ValueError as e:
+        raise LayoutError(f"--megatron-version: {e}") from None
+
+
 def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
-              keep_optimizer=False):
+              keep_optimizer=False, megatron_version=None):
     """hf2mcore and ``reshard --to mcore``: the target layout checked before the source is opened;
-    ``keep_optimizer``: the source's optimizer state and common.pt too (:class:`TrainingDestination`)."""
+    ``keep_optimizer``: the source's optimizer state and common.pt too (:class:`TrainingDestination`);
+    ``megatron_version``: the megatron-core line the output is for (default: the users' 0.12)."""
+    line = megatron_line(megatron_version)
+    if keep_optimizer and megatron_lines.LINES[line]["optimizer"] is None:
+        raise LayoutError(f"--keep-optimizer writes megatron-core 0.12's fully_sharded_model_space optimizer state, "
+                          f"which megatron-core {line} neither saves nor loads: leave out --megatron-version {line} "
+                          f"(or the optimizer state)")
     par = megatron_parallel(cfg, **topo)
     layout = MegatronLayout(cfg, spec, par, vocab_size_divisible_by=vocab_size_divisible_by)
     layout.validate()
@@ -65,8 +85,9 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
 
     def destination(view):
         dt = _fixed_dtypes(layout.tensors, _dtype(dtype, None) or _key_dtypes(layout, view))
-        info.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors))
-        side = {"source": os.path.abspath(src), "spec": spec, "dtype": info["dtype"], "pp": par.pp, "tp": par.tp,
+        info.update(topology=par.describe(), spec=spec, dtype=_dt_name(dt, layout.tensors), megatron_version=line)
+        side = {"source": os.path.abspath(src), "megatron_version": line, "spec": spec, "dtype": info["dtype"],
+                "pp": par.pp, "tp": par.tp,
                 "ep": par.ep, "etp": par.etp, "layers_per_stage": list(par.layers_per_stage), "world": par.world,
                 "padded_vocab": layout.padded_vocab, "model_type": cfg.model_type}
         # what a later command must know of how this checkpoint was made (formats.torch_dist.read_side_car):
@@ -81,8 +102,11 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
             side.update(source_prefix=view.ckpt.prefix, source_spec=view.spec, dropped_entries=info["dropped"])
         if keep_optimizer:
             side.update(optimizer="fully_sharded_model_space")
-            return TrainingDestination(layout, view, dt, OptimizerSource(view), side_car=side)
-        return TorchDistDestination(layout, view, dt, side_car=side)
+            opt = OptimizerSource(view)
+            for n in opt.notes():
+                print(f"ckpt-tools {label}: note: {n}", file=sys.stderr)
+            return TrainingDestination(layout, view, dt, opt, side_car=side)
+        return TorchDistDestination(layout, view, dt, side_car=side, line=line)
 
     view, _, res = convert(Job(out, label, src, open_src, destination), opts, FormatError)
     res.update(info)
@@ -92,13 +116,14 @@ def _to_mcore(out: Output, src, label, open_src, cfg, topo, spec, dtype, vocab_s
 def hf2mcore(hf: str, out: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None, layer_list=None,
              spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
              vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-             divide="files", no_mtp=False) -> dict:
+             divide="files", no_mtp=False, megatron_version=None) -> dict:
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    megatron_line(megatron_version)  # a bad --megatron-version before --out is touched
     output = _guarded(out, "mcore", overwrite, {"--hf": hf})
     cfg = load_config(hf, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     return _to_mcore(output, hf, "hf2mcore", lambda: HFView(hf, cfg), cfg, topo, spec, dtype,
-                     vocab_size_divisible_by, opts)[1]
+                     vocab_size_divisible_by, opts, megatron_version=megatron_version)[1]
 
 
 def _guarded(out, kind, overwrite, inputs) -> Output:
@@ -154,7 +179,7 @@ def _dt_name(dt, keys) -> str:
 def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                 layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                 vocab_size_divisible_by=None, prefix=None, progress=True, direct_io=True, io_threads=8,
-                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False) -> dict:
+                dist_timeout=None, divide="files", no_mtp=False, keep_optimizer=False, megatron_version=None) -> dict:
     """``reshard --to mcore``: a torch_dist checkpoint (any topology, any loader's _extra_state set, with or
     without a key prefix and optimizer state) -> a torch_dist checkpoint laid out for another topology and/or
     loader spec, exactly as hf2mcore would write it from the same weights: model weights only (optimizer, rng
@@ -171,7 +196,8 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
                           layer_list=layer_list, spec=spec, dtype=dtype, workers=workers, max_memory=max_memory,
                           overwrite=overwrite, vocab_size_divisible_by=vocab_size_divisible_by, progress=progress,
                           direct_io=direct_io, io_threads=io_threads, dist_timeout=dist_timeout, divide=divide,
-                          no_mtp=no_mtp)
+                          no_mtp=no_mtp, megatron_version=megatron_version)
+    megatron_line(megatron_version)
     if not hf_config:
         raise FormatError("--hf-config is needed to read a Megatron checkpoint (the HF config.json of the model)")
     inputs = {"--from": src, "--hf-config": hf_config}
@@ -182,10 +208,14 @@ def mcore2mcore(src: str, out: str, hf_config: str, pp=1, tp=1, ep=1, etp=None, 
         raise FormatError(f"--from {src} is not a Megatron torch_dist checkpoint (no metadata.json); "
                           f"for an HF source use hf2mcore")
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
-    view, res = _to_mcore(output, src, "reshard",
-                          lambda: McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20), cfg, topo, spec, dtype,
-                          vocab_size_divisible_by, opts, keep_optimizer)
-    res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders())
+    def open_src():
+        view = McoreView(src, cfg, prefix=prefix, cache_bytes=64 << 20)
+        view.copied_files = ("common.pt",) if keep_optimizer else ()  # the gate refuses its problems, not warns
+        return view
+
+    view, res = _to_mcore(output, src, "reshard", open_src, cfg, topo, spec, dtype, vocab_size_divisible_by, opts,
+                          keep_optimizer, megatron_version)
+    res.update(source_prefix=view.ckpt.prefix, source_loaders=view.loaders(), source_megatron_version=view.line)
     return res
 
 
@@ -255,13 +285,10 @@ def _optimizer_outputs(optimizer_out: str, open_src, overwrite: bool, inputs: di
     def output(path):
         return Output(path, "hf", overwrite, inputs, FormatError, flag="--optimizer-out")
 
-    top = output(optimizer_out)
-    d = top.dir
-    if os.path.isdir(d) and not os.path.islink(d):
+    d = check_holder(output(optimizer_out), STATES)  # --out's rules on the place; an existing DIR holds only states
+    if os.path.isdir(d):
         for s in STATES:
             output(os.path.join(d, s)).check()
-    else:  # empty, a file, a symlink, no parent, an input: --out's rules; a new DIR's state dirs meet no input
-        top.check()
     opt = OptimizerSource(open_src(), "--optimizer-out")  # one line if the source holds none
     outs = {s: output(os.path.join(d, s)) for s in opt.states}
     os.makedirs(d, exist_ok=True)
@@ -274,7 +301,8 @@ def _optimizer_to_hf(output: Output, opt: OptimizerSource, state: str, max_shard
     """One optimizer state of a training checkpoint -> HF safetensors under the weights' names, float32, through
     the same driver and engine as the weights: the state's pieces by parameter coordinate
     (:class:`~ckpt_tools.formats.training.OptimizerView`), so the layout math is the weights' own. The source's
-    integrity gate ran for the weights' job (its structure and manifest sizes); these bytes are read unchecked."""
+    integrity gate ran for the weights' job (its structure and manifest sizes); the state's bytes are checked
+    against the manifest as they are read (``OptimizerView.source_check``), so a mismatch publishes nothing."""
     def open_state():
         ov = OptimizerView(opt, state)
         if ov.mixed:
@@ -360,15 +388,16 @@ def _fsdp_config(src: str, hf_config: str | None, no_mtp: bool):
 def fsdp2mcore(src: str, out: str, hf_config: str | None = None, pp=1, tp=1, ep=1, etp=None, first=None, last=None,
                layer_list=None, spec="te", dtype=None, workers=2, max_memory=4 << 30, overwrite=False,
                vocab_size_divisible_by=None, progress=True, direct_io=True, io_threads=8, dist_timeout=None,
-               divide="files", no_mtp=False, lora=None) -> dict:
+               divide="files", no_mtp=False, lora=None, megatron_version=None) -> dict:
     """``reshard --from`` a verl FSDP checkpoint ``--to mcore``: its model weights as hf2mcore writes them."""
     inputs = {"--from": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
+    megatron_line(megatron_version)
     output = _guarded(out, "mcore", overwrite, inputs)
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
     topo = dict(pp=pp, tp=tp, ep=ep, etp=etp, first=first, last=last, layer_list=layer_list)
     view, res = _to_mcore(output, src, "fsdp2mcore", lambda: FsdpView(src, cfg, lora=lora), cfg, topo, spec,
-                          dtype, vocab_size_divisible_by, opts)
+                          dtype, vocab_size_divisible_by, opts, megatron_version=megatron_version)
     res.update(dropped=0, source_prefix="")
     return res
 
@@ -383,10 +412,15 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     inputs = {"--fsdp": src, "--hf-config": hf_config}
     opts = Options(workers, max_memory, progress, direct_io, io_threads, dist_timeout, divide)
     output = _guarded(out, "hf", overwrite, inputs)
-    if merge_lora and lora_adapter_out:
+    if merge_lora and lora_adapter_out is not None:
         raise FormatError("--merge-lora and --lora-adapter-out are two different outputs: give one")
+    adapter = None
+    if lora_adapter_out is not None:  # an output like --out, checked now (before any work) against it and the inputs
+        adapter = Output(lora_adapter_out, "adapter", overwrite, {**inputs, "--out": out}, FormatError,
+                         flag="--lora-adapter-out")
+        adapter.check()
     cfg_dir, cfg = _fsdp_config(src, hf_config, no_mtp)
-    lora = "merge" if merge_lora else "adapter" if lora_adapter_out else None
+    lora = "merge" if merge_lora else "adapter" if adapter else None
     dt = _dtype(dtype, None)
     dts = {}
 
@@ -394,7 +428,9 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
         dts.update((n, dt or view.dtype_of(n)) for n in view.names())
         ops = functools.partial(_hf_ops, view)
         if lora == "merge":  # the LoRA stage: formats/lora.py
-            ops = merged_ops(view, out, ops)
+            ops = merged_ops(view, ops)
+        elif lora == "adapter":
+            adapter_config(view)  # one peft LoraConfig, or refused now, before --out is written
         return HFDestination([(n, view.shapes[n], dts[n]) for n in view.names()], max_shard_size, ops,
                              _side_dir(cfg_dir), cfg.raw, cfg.config_edits())
 
@@ -409,7 +445,23 @@ def fsdp2hf(src: str, out: str, hf_config: str | None = None, dtype=None, max_sh
     finally:
         if opened and lora == "merge":
             cleanup(opened[-1])
-    if lora == "adapter":
-        res["adapter"] = write_adapter(view, lora_adapter_out, overwrite)
+    if adapter is not None:
+        res["adapter"] = _write_adapter(adapter, view, opts)
     res.update(fsdp=view.describe(), dtype="+".join(sorted(set(map(str, dts.values())))))
     return res
+
+
+def _write_adapter(adapter: Output, view, opts: Options) -> dict:
+    """``--lora-adapter-out``: :func:`~ckpt_tools.formats.lora.write_adapter` through ``adapter``'s lifecycle
+    (stage, publish or discard), by rank 0 alone under torchrun."""
+    def write():
+        tmp = adapter.stage()
+        try:
+            info = write_adapter(view, tmp)
+            adapter.publish()
+        except BaseException:
+            adapter.discard()
+            raise
+        return {**info, "out": adapter.path}
+
+    return ranks.on_ranks(lambda g: (g or ranks.Solo()).lead(write, "the LoRA adapter"), opts.dist_timeout)

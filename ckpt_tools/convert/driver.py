@@ -72,8 +72,9 @@ def _convert(g, job: Job, opts: Options, error):
     if opts.divide not in DIVIDE:
         raise InputError(f"--divide must be one of {', '.join(DIVIDE)} (got {opts.divide!r})")
     job.out.check()  # before any work
-    if job.source is None:  # a view opened by the caller (library use): no gate
-        view, check = job.open_source(), None
+    if job.source is None:  # a view opened by the caller (library use): no gate but the one it brings
+        view = job.open_source()
+        check = getattr(view, "source_check", None)  # e.g. an optimizer state's (formats/training.py)
     else:
         view, check = checked_source(job.source, job.open_source, job.label)
     dest = job.destination(view)

@@ -61,9 +61,10 @@ class FsdpView:
         self.lora_mode = lora
         if self.lora and lora not in ("merge", "adapter", "inspect"):
             mod = next(iter(self.lora))
-            raise FormatError(f"{path}: a LoRA checkpoint ({len(self.lora)} adapted modules, e.g. {mod}): pass "
-                              f"--merge-lora (the merged model) or --lora-adapter-out DIR (base model + peft "
-                              f"adapter); its adapters are never dropped silently")
+            raise FormatError(f"{path}: a LoRA checkpoint ({len(self.lora)} adapted modules, e.g. {mod}): only "
+                              f"fsdp2hf reads one, with --merge-lora (the merged model: verify, reshard and inspect "
+                              f"that) or --lora-adapter-out DIR (base model + peft adapter); its adapters are never "
+                              f"dropped silently")
         if lora in ("merge", "adapter") and not self.lora:
             raise FormatError(f"{path}: --merge-lora / --lora-adapter-out given, but the checkpoint holds no LoRA "
                               f"weights (no lora_A / lora_B names)")

@@ -12,16 +12,20 @@ that order, on the same torch: the result is peft's, bit for bit (tests/test_fsd
 A merged weight is not a box copy, so it is a small *transform stage* inside the streaming design: when the
 engine's planner reaches the output record of an adapted weight (:func:`merged_ops`: records' ops are worked out
 lazily, one at a time, convert/driver.py ``copy``), the weight, A and B are read (one target tensor at a time:
-memory is bounded by the largest adapted weight, not the model), merged, written to a scratch file beside
-``--out`` and handed to the engine as the source of that record; every other record is the usual box copy. The
-scratch directory is removed when the conversion ends, published or not.
+memory is bounded by the largest adapted weight, not the model), merged, written to a scratch file in this run's
+staging directory (``OUT.partial-PID``, ours: never inside or over an input, which ``--out`` is checked against,
+and removed with it, by this run or, if it was killed, by the next) and handed to the engine as the source of that
+record; every other record is the usual box copy. The scratch directory is removed when the conversion ends,
+published or not.
 
 **Adapter** (``fsdp2hf --lora-adapter-out DIR``): the base model goes to ``--out`` (``base_layer`` names
 unwrapped), the adapter to DIR as peft saves one: ``adapter_model.safetensors`` with peft's keys
 (``base_model.model.{module}.lora_A.weight``: the adapter name dropped, peft/utils/save_and_load.py
 ``get_peft_model_state_dict``) and ``adapter_config.json`` (``peft_type`` LORA, ``r`` from the stored A,
 ``lora_alpha`` given, ``target_modules`` the adapted modules' last names, as verl's ``target_modules`` lists them).
-The adapter is small (r x (in + out) per module): it is written in one piece, staged and renamed.
+The adapter is small (r x (in + out) per module): it is written in one piece into DIR's staging directory; DIR is an
+``Output`` of kind ``adapter`` like ``--out`` (convert/directions.py: checked before any work, locked, published
+atomically by one rank; ``--overwrite`` replaces only a directory holding peft's two adapter files).
 """
 from __future__ import annotations
 
@@ -73,9 +77,10 @@ def merged_tensor(view, name: str):
     return merge(w, a, b, scaling(view.lora_alpha, a.shape[0], view.lora_rslora))
 
 
-def merged_ops(view, out: str, ops):
+def merged_ops(view, ops):
     """``ops(name, rec)`` for an HFDestination with the adapted weights merged (see the module doc); the scratch
-    directory is ``view.scratch`` (made on first use beside ``out``, removed by :func:`cleanup`)."""
+    directory is ``view.scratch``, made on first use in the staging directory that holds ``rec``'s directory
+    (``OUT.partial-PID``, ours), removed by :func:`cleanup`."""
     adapted = {m + ".weight" for m in view.lora}
 
     def fn(name, rec):
@@ -83,8 +88,8 @@ def merged_ops(view, out: str, ops):
             return ops(name, rec)
         t = merged_tensor(view, name).to(rec.dtype).contiguous()
         if view.scratch is None:
-            view.scratch = tempfile.mkdtemp(prefix=os.path.basename(os.path.abspath(out)) + ".lora-",
-                                            dir=os.path.dirname(os.path.abspath(out)))
+            own = os.path.dirname(os.path.dirname(os.path.abspath(rec.path)))  # OUT.partial-PID/<OUT>/<shard>
+            view.scratch = tempfile.mkdtemp(prefix="lora-merge-", dir=own)
         path = os.path.join(view.scratch, f"{len(os.listdir(view.scratch))}.bin")
         with open(path, "wb") as f:
             f.write(_raw(t))
@@ -118,32 +123,22 @@ def adapter_config(view) -> dict:
             "base_model_name_or_path": None, "modules_to_save": None, "init_lora_weights": True}
 
 
-def write_adapter(view, out: str, overwrite: bool = False) -> dict:
-    """peft's adapter layout of ``view``'s LoRA weights in ``out`` (staged beside it, renamed when whole)."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise LoraError(f"--lora-adapter-out {out} exists (pass --overwrite to replace it)")
+def write_adapter(view, tmp: str) -> dict:
+    """peft's adapter layout of ``view``'s LoRA weights, written into the empty directory ``tmp`` (the staged
+    ``--lora-adapter-out``: its lifecycle is the caller's ``Output``)."""
     cfg = adapter_config(view)
     tensors = {}
     for mod, parts in sorted(view.lora.items()):
         for ab in "AB":
             tensors[f"base_model.model.{mod}.lora_{ab}.weight"] = view.read_stored(parts[ab][0]).contiguous()
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".partial-", dir=os.path.dirname(out))
-    try:
-        ((_, head, size, where),) = safetensors_files([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
-                                                      1 << 62, ADAPTER_FILE)
-        with open(os.path.join(tmp, ADAPTER_FILE), "wb") as f:  # formats/hf.py's layout: header, then the data
-            f.write(head)
-            for n, (off, _, _) in where.items():
-                f.seek(off)
-                f.write(_raw(tensors[n]))
-            f.truncate(size)
-        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(cfg, f, indent=2)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"out": out, "modules": len(view.lora), "r": cfg["r"], "lora_alpha": cfg["lora_alpha"]}
+    ((_, head, size, where),) = safetensors_files([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                                                  1 << 62, ADAPTER_FILE)
+    with open(os.path.join(tmp, ADAPTER_FILE), "wb") as f:  # formats/hf.py's layout: header, then the data
+        f.write(head)
+        for n, (off, _, _) in where.items():
+            f.seek(off)
+            f.write(_raw(tensors[n]))
+        f.truncate(size)
+    with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return {"modules": len(view.lora), "r": cfg["r"], "lora_alpha": cfg["lora_alpha"]}

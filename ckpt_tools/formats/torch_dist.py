@@ -5,8 +5,8 @@ Format (megatron-core 0.12.1 strategies/torch.py on torch DCP; see docs/format.m
 * ``.metadata``: pickled ``torch.distributed.checkpoint.metadata.Metadata`` with
   ``state_dict_metadata[key] = TensorStorageMetadata(properties, global size, chunks)`` or
   ``BytesStorageMetadata()`` for ShardedObjects (key ``{key}/shard_{offsets}_{shape}``), and
-  ``storage_data[MetadataIndex(fqn, offset)] = _StorageInfo(file, byte offset, length)``; megatron adds
-  ``mcore_data`` ({key: {}} without nd-reformulation);
+  ``storage_data[MetadataIndex(fqn, offset)] = _StorageInfo(file, byte offset, length)``; megatron-core 0.12
+  adds ``mcore_data`` ({key: {}} without nd-reformulation), 0.16 does not (converters/megatron_lines.py);
 * ``__{rank}_{i}.distcp``: each chunk an independent ``torch.save`` (of the chunk tensor, singleton
   prepended axes kept; of ``[obj]`` for objects) at its byte range.
 """
@@ -21,6 +21,8 @@ import os
 import pickle
 import threading
 from collections import defaultdict
+
+from converters import megatron_lines
 
 from ..copy.destination import Destination
 from ..copy.plan import Op, Rec, map_sub
@@ -189,12 +191,14 @@ class TorchDistDestination(Destination):
     The whole file layout (every chunk's byte range in its rank file, then the ``_extra_state`` objects) is
     fixed here; chunks are ordered by where their first HF tensor lives in the source, so the copy reads the
     source in order. ``dtype``: one torch dtype for every key, or a function key -> dtype. ``side_car``: the
-    ``ckpt_tools.json`` record of how the checkpoint was written (not listed in the manifest)."""
+    ``ckpt_tools.json`` record of how the checkpoint was written (not listed in the manifest). ``line``: the
+    megatron-core line whose save it equals (converters/megatron_lines.py: ``.metadata``'s ``mcore_data``)."""
 
     kind = "mcore"
 
-    def __init__(self, layout, source, dtype, side_car: dict | None = None):
+    def __init__(self, layout, source, dtype, side_car: dict | None = None, line: str = megatron_lines.USERS_LINE):
         self.layout, self.source, self.side_car = layout, source, side_car
+        self.line = megatron_lines.LINES[line]
         self.key_dtype = key_dtype = dtype if callable(dtype) else (lambda _key: dtype)
         self.manifest_skip = (SIDE_CAR,) if side_car is not None else ()
         self.chunks = chunks = layout.chunks()  # validates the topology before anything is written
@@ -293,7 +297,8 @@ class TorchDistDestination(Destination):
         storage_data = {m.MetadataIndex(k, None if off is None else torch.Size(off)): m._StorageInfo(*v)
                         for (k, off), v in self.storage.items()}
         md = build_metadata(m, sdm, storage_data)
-        md.mcore_data = {k: {} for k in layout.tensors}
+        if self.line["mcore_data"]:
+            md.mcore_data = {k: {} for k in layout.tensors}
         return md
 
     def summary(self) -> dict:

@@ -18,25 +18,55 @@ saving topology (megatron resumes another one with ``--no-load-rng``).
 """
 from __future__ import annotations
 
+import argparse
 import functools
+import io
+import itertools
 import os
+import warnings
 
 from ..copy.fileio import read_rec_box
 from ..copy.plan import Op, Rec, map_sub
+from ..core.errors import IntegrityError
 from ..core.lazy import torch
+from ..integrity import MANIFEST, SourceCheck, hash_bytes, load_manifest
+from ..integrity.manifest import checksum_mismatch
 from ..layout import IntervalIndex, box_intersect, box_numel, box_shape, box_shift
-from ..layout.optimizer import ORIG_SHAPE, STATES, flat_boxes, local_shape, parse_key, row_of, state_key
+from ..layout.optimizer import ORIG_SHAPE, STATES, ModelSpacePlan, local_shape, parse_key, row_pieces
 from .torch_dist import DistCkptError, TorchDistDestination, chunk_pieces, record_template
 
 # megatron-core 0.12.1 distrib_optimizer.py sharded_state_dict: the per-DP-group types save
 # ``optimizer.distributed.dp_group_idx_{i}.*`` (dp_zero_gather_scatter: ShardedObjects, one per DP group;
 # fully_sharded_bucket_space: flat ShardedTensors of the grad buffers' buckets), tied to the saving job's buckets
 PER_DP_GROUP = "optimizer.distributed.dp_group_idx_"
+COMMON_MAX = 1 << 30  # bytes of common.pt read at most (it holds param groups, step, lr scheduler, args)
 RNG_KEY = "rng_state"  # verl get_rng_state / Megatron-LM generate_state_dict: ShardedObject "rng_state"
 
 
 class OptimizerError(DistCkptError):
     pass
+
+
+def load_common(data: bytes):
+    """``common.pt``'s bytes loaded by torch's weights-only unpickler with ``argparse.Namespace`` allowed (see
+    :meth:`OptimizerSource.common`); torch's own warning about a refused pickle silenced (the caller says it)."""
+    with warnings.catch_warnings(), torch.serialization.safe_globals([argparse.Namespace]):
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch._weights_only_unpickler")
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def _source_check(path: str) -> SourceCheck | None:
+    """A :class:`SourceCheck` of the checkpoint at ``path`` for the optimizer state's reads (its sizes and
+    non-data ranges checked now, the data as the engine reads it), or None without a manifest."""
+    man = load_manifest(path)
+    if man is None:
+        return None
+    check = SourceCheck(path, man)
+    bad = [p for rel, p in check.precheck() if rel != "common.pt"]  # (common.pt: checked where it is read)
+    if bad:
+        raise IntegrityError(f"{path}: source does not match its manifest: {bad[0]}"
+                             + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return check
 
 
 def sharding_type(reader) -> str | None:
@@ -99,8 +129,41 @@ class OptimizerSource:
         for mkey, have in by_key.items():
             if have != set(self.states):
                 raise OptimizerError(f"{path}: {mkey} has optimizer states {sorted(have)}, others {sorted(self.states)}")
+        rows = view.layout._rows
+        lacking = sorted(k for k in view.layout.tensors if k not in by_key and not rows.get(k, {}).get("buffer"))
+        if lacking:  # megatron-core 0.12.1 optimizer.py / distrib_optimizer.py: every parameter has its state
+            more = f" (+{len(lacking) - 1} more)" if len(lacking) > 1 else ""
+            raise OptimizerError(f"{flag}: {path}: parameter {lacking[0]}{more} has no optimizer state (all of "
+                                 f"{', '.join(self.states)} missing) while the others have: megatron-core's load "
+                                 f"(StrictHandling.RAISE_ALL) fails on this checkpoint and would on the output")
         self.params = set(by_key)  # model keys (source prefix) that have optimizer state
+        # Megatron-LM's --make-vocab-size-divisible-by rows beyond the HF vocab: not in HF tensor space, which
+        # every copy goes through (the weights' rows are zero or the source is refused: McoreView.integrity)
+        self.vocab_padding = {k: self.reader.shape(k)[0] - view.cfg.vocab for k in sorted(self.params)
+                              if rows.get(k, {}).get("vocab") and self.reader.shape(k)[0] > view.cfg.vocab}
+        self.flag = flag
+        self.chains = sorted({chain for _, chain in self.keys.values()}, key=lambda c: -1 if c is None else c)
+        self._check = None
         self._index: dict = {}
+
+    def notes(self) -> list[str]:
+        """What the optimizer state's copy leaves out, one line each (commands print them on stderr)."""
+        if not self.vocab_padding:
+            return []
+        k, n = next(iter(self.vocab_padding.items()))
+        more = f" (+{len(self.vocab_padding) - 1} more)" if len(self.vocab_padding) > 1 else ""
+        return [f"{self.view.path}: the optimizer states of the {n} vocab padding rows of {k}{more} are not carried "
+                f"(rows beyond the HF vocab of {self.view.cfg.vocab}, outside the HF tensor space every copy goes "
+                f"through): the output's padding rows, if any (--make-vocab-size-divisible-by), start from zero "
+                f"weights and zero Adam moments"]
+
+    def source_check(self) -> SourceCheck | None:
+        """The manifest check of the bytes read by the jobs of :class:`OptimizerView` (mcore2hf
+        ``--optimizer-out``: the state's data, which the weights' job does not read), made once; None without a
+        manifest."""
+        if self._check is None:
+            self._check = _source_check(self.reader.path) or False
+        return self._check or None
 
     def has_state(self, hf_name: str) -> bool | None:
         """Whether the source keys holding HF tensor ``hf_name`` have optimizer state (None: some do, some not)."""
@@ -121,12 +184,11 @@ class OptimizerSource:
             if base.slow or not r.head_ok(base):
                 raise OptimizerError(f"{r.path}: {base.what} is not a plain torch.save of a contiguous float32 "
                                      f"tensor: not read")
-            origin = tuple(b[0] * n for b, n in zip(cbox[:-1], local))
-            fs, fe = cbox[-1]
-            for f, box in flat_boxes(local, fs, fe):
-                mbox = box_shift(box, tuple(-o for o in origin))
-                items.append((mbox, Rec(base.path, base.offset + (f - fs) * 4, box_shape(box), torch.float32,
-                                        what=f"{base.what} (elements {f}..{f + box_numel(box)} of its chunk)")))
+            fs = cbox[-1][0]
+            for mbox, at in row_pieces(local, cbox):
+                f = fs + at
+                items.append((mbox, Rec(base.path, base.offset + at * 4, box_shape(mbox), torch.float32,
+                                        what=f"{base.what} (elements {f}..{f + box_numel(mbox)} of its chunk)")))
         idx = self._index[(state, mkey)] = IntervalIndex(items, 0)
         return idx
 
@@ -144,14 +206,53 @@ class OptimizerSource:
                     yield rec, box_shift(inter, [b[0] for b in pbox]), seg.target_to_hf(inter)
 
     def common(self) -> bytes:
-        """The source's common.pt, byte for byte."""
+        """The source's common.pt, byte for byte, checked as an input (it is copied): against the source's
+        manifest when it has one (every byte), at most :data:`COMMON_MAX` bytes, loadable with torch's
+        weights-only unpickler (torch/serialization.py ``load(weights_only=True)``: plain containers and tensors,
+        nothing runs; plus ``argparse.Namespace``, a plain attribute holder, for Megatron-LM's ``args``: megatron
+        training/checkpointing.py ``generate_state_dict`` saves ``state_dict['args'] = args``) from the very bytes
+        returned, and its optimizer's ``param_state_sharding_type`` that of the state keys
+        (megatron-core 0.12.1 distrib_optimizer.py ``load_state_dict`` dispatches on it), one per chained
+        optimizer. Any failure is one line (:class:`OptimizerError`; a manifest mismatch :class:`IntegrityError`)."""
         fp = os.path.join(self.reader.path, "common.pt")
+        what = f"{self.flag}: {fp}"
         try:
             with open(fp, "rb") as f:
-                return f.read()
+                data = f.read(COMMON_MAX + 1)
+            if len(data) > COMMON_MAX:
+                raise OptimizerError(f"{what}: larger than {COMMON_MAX >> 20} MiB (param groups, step and lr "
+                                     f"scheduler take kilobytes): not read")
         except FileNotFoundError:
-            raise OptimizerError(f"--keep-optimizer: {self.reader.path} has no common.pt (the optimizer's param "
+            raise OptimizerError(f"{self.flag}: {self.reader.path} has no common.pt (the optimizer's param "
                                  f"groups and step live there)") from None
+        man = load_manifest(self.reader.path)
+        if man is not None:
+            ent = man["files"].get("common.pt")
+            if ent is None:
+                raise IntegrityError(f"{what}: not in the source's {MANIFEST} (its bytes cannot be checked)")
+            if len(data) != ent["size"]:
+                raise IntegrityError(f"{what}: {len(data)} bytes, its {MANIFEST} says {ent['size']}")
+            for off, n, h, w in ent["ranges"]:
+                got = hash_bytes(memoryview(data)[off:off + n])
+                if got != h:
+                    raise IntegrityError(checksum_mismatch("common.pt", off, n, w, got, h))
+        try:
+            common = load_common(data)
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign file raises anything
+            raise OptimizerError(f"{what}: not loadable with weights_only=True ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:160] if str(e) else ''}); it is copied into the output: "
+                                 f"refused") from None
+        opt = common.get("optimizer") if isinstance(common, dict) else None
+        # one entry per chained optimizer (optimizer.py ChainedOptimizer.sharded_state_dict: {index: its state}),
+        # else the optimizer's own state
+        entries = {c: (opt.get(c) if isinstance(opt, dict) else None) if c is not None else opt for c in self.chains}
+        for c, o in entries.items():
+            got = o.get("param_state_sharding_type") if isinstance(o, dict) else None
+            if got != "fully_sharded_model_space":
+                which = f"optimizer[{c}]" if c is not None else "optimizer"
+                raise OptimizerError(f"{what}: {which}.param_state_sharding_type is {got!r}, the state keys are "
+                                     f"'fully_sharded_model_space' (megatron's load follows common.pt): refused")
+        return data
 
     def rng_objects(self) -> list:
         return sorted(o for o in self.reader.objects if o.split("/")[0] == RNG_KEY)
@@ -190,6 +291,7 @@ class OptimizerView:
         self.path, self.cfg = v.path, v.cfg
         have = {n: opt.has_state(n) for n in v.names()}
         self.mixed = sorted(n for n, h in have.items() if h is None)  # some of its keys have state, some not
+        self.source_check = opt.source_check()  # the conversion driver feeds it the bytes read
         self.shapes = {n: v.shapes[n] for n, h in have.items() if h}
 
     def names(self):
@@ -219,43 +321,22 @@ class TrainingDestination(TorchDistDestination):
     def __init__(self, layout, source, dtype, opt: OptimizerSource, side_car: dict | None = None):
         super().__init__(layout, source, dtype, side_car)
         self.opt = opt
-        cfg, par = layout.cfg, layout.par
-        chained = cfg.is_moe  # optimizer/__init__.py get_megatron_optimizer: dense and expert optimizers, chained
-        if chained:
-            for s in range(par.pp):
-                if not any(cfg.layer_is_moe(i) for i in range(cfg.layers) if par.stage_of_layer(i) == s):
-                    raise OptimizerError(f"--keep-optimizer: pipeline stage {s} would hold no MoE layer: megatron "
-                                         f"builds a single (not chained) optimizer there, whose state this writer "
-                                         f"does not lay out")
-        self.params = {}
-        for key, ts in layout.tensors.items():
-            have = {opt.has_state(sg.hf) for sg in ts.segments}
-            if None in have or len(have) > 1:
-                raise OptimizerError(f"--keep-optimizer: {key} is made of source tensors of which only some have "
-                                     f"optimizer state")
-            if have.pop():
-                chain = (1 if layout._rows[key].get("where") == "expert" else 0) if chained else None
-                self.params[key] = chain
-        nd = {}
-        self.opt_recs, self.opt_storage, self.opt_meta = [], {}, {}
+        par = layout.par
+        # what megatron saves at the target (layout/optimizer.py): which parameters, each state's rows
+        self.plan = ModelSpacePlan(layout, self.chunks, opt.states, opt.has_state, OptimizerError)
+        self.params = self.plan.params
+        # where they go: each row after the rank file's chunks and objects, as one torch.save'd record
+        self.opt_recs, self.opt_storage = [], {}
         pos = dict(self.files)
-        for c in self.chunks:
-            if c.key not in self.params:
-                continue
-            shape = layout.tensors[c.key].shape
-            reform, row = row_of(shape, c.box)
-            n = reform[-1]
-            fn = f"__{c.rank}_0.distcp"
-            head, tail = record_template((1,) * len(shape) + (n,), torch.float32)
-            for state in opt.states:
-                k = state_key(state, c.key, self.params[c.key])
+        for chunk, rows in itertools.groupby(self.plan.records, key=lambda r: r.chunk):
+            fn = f"__{chunk.rank}_0.distcp"  # one name object per chunk: .metadata's pickle memoizes it as before
+            for r in rows:
+                head, tail = record_template(r.shape, torch.float32)
                 off = pos.get(fn, 0)
-                length = len(head) + 4 * n + len(tail)
+                length = len(head) + 4 * r.numel + len(tail)
                 pos[fn] = off + length
-                self.opt_storage[(k, row)] = (fn, off, length)
-                self.opt_meta.setdefault(k, (reform, shape, []))[2].append(row)
-                self.opt_recs.append((c, state, fn, off + len(head), head, tail))
-                nd[k] = n
+                self.opt_storage[(r.key, r.offset)] = (fn, off, length)
+                self.opt_recs.append((chunk, r.state, fn, off + len(head), head, tail))
         # the rng states belong to the saving topology's (PP, TP) grid: kept byte for byte when the target has
         # the same grid (verl load_rng_states indexes the object by its own PP / TP rank), else dropped
         self.rng = {}
@@ -296,7 +377,7 @@ class TrainingDestination(TorchDistDestination):
     def _metadata(self, m):
         md = super()._metadata(m)
         sdm, sd = md.state_dict_metadata, md.storage_data
-        for k, (reform, shape, rows) in self.opt_meta.items():
+        for k, (reform, shape, rows) in self.plan.keys().items():
             sdm[k] = m.TensorStorageMetadata(m.TensorProperties(dtype=torch.float32), torch.Size(reform),
                                              [m.ChunkStorageMetadata(torch.Size(r), torch.Size((1,) * len(shape) + (reform[-1],)))
                                               for r in rows])
@@ -319,7 +400,8 @@ class TrainingDestination(TorchDistDestination):
 def training_summary(reader) -> dict | None:
     """What a torch_dist checkpoint holds beyond the model (``inspect``): the optimizer's sharding type, its
     states, parameters and bytes, the step and lr of its param groups (common.pt, read with torch's weights-only
-    unpickler; "unread" when it holds other objects, e.g. Megatron-LM's args), the rng objects. None: none."""
+    unpickler, Megatron-LM's args allowed: :func:`load_common`; "unread" when it holds other objects), the rng
+    objects. None: none."""
     kind = sharding_type(reader)
     rng = sorted(o for o in reader.objects if o.split("/")[0] == RNG_KEY)
     if kind is None and not rng:
@@ -331,7 +413,8 @@ def training_summary(reader) -> dict | None:
                    chained=sorted({p[0] for _, p in keys if p[0] is not None}),
                    bytes=sum(box_numel(tuple((0, n) for n in reader.shape(k))) * 4 for k, _ in keys))
     try:
-        common = torch.load(os.path.join(reader.path, "common.pt"), weights_only=True, map_location="cpu")
+        with open(os.path.join(reader.path, "common.pt"), "rb") as f:
+            common = load_common(f.read(COMMON_MAX))
     except Exception:  # noqa: BLE001 - anything but plain data (or no file): not shown
         out["step"] = "unread"
         return out

@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 
 import converters
-from converters import vllm_names
+from converters import megatron_lines, vllm_names
 from converters.vllm_names import file_name
 
 from ..core.files import read_json
@@ -169,6 +169,11 @@ class McoreView:
         self.path, self.cfg = path, cfg
         self.ckpt = TorchDistReader(path, prefix=prefix, cache_bytes=cache_bytes)
         keys = set(self.ckpt.model_keys())
+        split = sorted(k for k in keys if k.endswith(megatron_lines.SINGLETON_SUFFIXES))
+        if split:  # megatron-core >= 0.14 saved with singleton_local_shards (converters/megatron_lines.py)
+            raise FormatError(f"{path}: {split[0]} is a key of megatron-core's singleton_local_shards layout (SwiGLU "
+                              f"halves and experts as keys of their own), which is not read here; save it without "
+                              f"that metadata (Megatron-LM's default)")
         self.spec = spec or detect_spec(cfg, keys, self.ckpt.prefix) or "te"
         self.layout = MegatronLayout(cfg, self.spec, None, prefix=self.ckpt.prefix)
         self.shapes = hf_shapes(cfg)
@@ -178,8 +183,7 @@ class McoreView:
                 problems.append(f"missing key {key}" + mtp_hint(cfg, [key[len(self.ckpt.prefix):]]))
                 continue
             got = self.ckpt.shape(key)
-            row = self.layout._rows[key]
-            if row.get("vocab") and len(got) == 2 and got[1] == ts.shape[1] and got[0] >= ts.shape[0]:
+            if self.layout.is_vocab(key) and len(got) == 2 and got[1] == ts.shape[1] and got[0] >= ts.shape[0]:
                 continue  # vocab padding rows: stripped on export
             if got != ts.shape:
                 problems.append(f"{key} has global shape {list(got)}, the HF config implies {list(ts.shape)}")
@@ -195,6 +199,8 @@ class McoreView:
         self.dtype = dts.pop() if len(dts) == 1 else None  # None: mixed (e.g. fp32 norms, bf16 weights)
         self.hf_index = self.layout.hf_index()
         self.record = read_side_car(path)
+        # the megatron-core line it was saved for, from what its .metadata holds (converters/megatron_lines.py)
+        self.line = megatron_lines.detect(hasattr(self.ckpt.md, "mcore_data"))
         recorded = self.record.get("source_dtypes")
         self.source_dtypes = recorded if isinstance(recorded, dict) else {}
 
@@ -293,8 +299,7 @@ class McoreView:
             if not ok:
                 out.append(f"{key}: chunks do not cover the tensor exactly once: {why}")
         for key in self.layout.tensors:
-            row = self.layout._rows[key]
-            if row.get("vocab") and self.ckpt.shape(key)[0] > self.cfg.vocab:
+            if self.layout.is_vocab(key) and self.ckpt.shape(key)[0] > self.cfg.vocab:
                 pad = self.ckpt.read_box(key, ((self.cfg.vocab, self.ckpt.shape(key)[0]), (0, self.ckpt.shape(key)[1])))
                 if pad.count_nonzero():
                     out.append(f"{key}: vocab padding rows are not zero")

@@ -288,6 +288,14 @@ class MegatronLayout:
             out[copy] = [Segment(copy, s.hf_box, s.key, s.box) for s in out[orig]]
         return dict(out)
 
+    def is_expert(self, key: str) -> bool:
+        """Whether ``key`` holds routed experts (its row's ``where``): megatron keeps their optimizer apart."""
+        return self._rows[key].get("where") == "expert"
+
+    def is_vocab(self, key: str) -> bool:
+        """Whether ``key``'s first axis is the vocabulary (embedding, output head): padded rows beyond it."""
+        return bool(self._rows[key].get("vocab"))
+
     def nlead(self, key: str) -> int:
         ts = self.tensors[key]
         return len(ts.shape) - len(self.hf_shapes[ts.segments[0].hf])

@@ -15,13 +15,21 @@ So a flat range of a row is a run of the chunk's elements in row-major order: :f
 boxes of the chunk (each one contiguous run), which places every stored element at its model coordinate; and a
 target chunk box written whole as one row (:func:`row_of`) is what megatron reads at any DP size without
 reformulating (resharding.py ``apply_nd_flattened_tensors_reformulation``: same reformulated shape, no change).
+
+The public API a format module builds on (``formats/training.py``; docs/design.md, "Optimizer state"):
+:func:`row_pieces` (a source's stored flat range as boxes of the model's tensors) and :class:`ModelSpacePlan` (a
+target topology's optimizer state: which parameters have it, their chain index, every row as a
+:class:`StateRecord` - its key, global shape, offset, stored shape and the model chunk it holds). The destination
+places those records in files; it reads nothing of the model layout's internals.
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
-from .boxes import Box, LayoutError, box_shape
+from .boxes import Box, LayoutError, box_shape, box_shift
+from .topology import Chunk
 
 STATES = ("fp32_param", "exp_avg", "exp_avg_sq")  # distrib_optimizer.py: "param" saved as fp32_param, Adam moments
 ORIG_SHAPE = "nd_reformulated_orig_global_shape"  # strategies/torch.py: the key of mcore_data per flattened key
@@ -93,3 +101,77 @@ def flat_boxes(shape, start: int, stop: int, base: int = 0):
     if o1:
         for f, b in flat_boxes(shape[1:], 0, o1, base + r1 * inner):
             yield f, ((r1, r1 + 1),) + b
+
+
+def row_pieces(local, row_box):
+    """The stored flat range of one row (``row_box``: a box of the reformulated tensor, the chunk index on the
+    leading axes and the flat range on the last; ``local``: the saving topology's chunk shape) as (box of the
+    model's global tensor, offset of its first element in the stored range), in order, each box one contiguous
+    run of the stored data (:func:`flat_boxes`)."""
+    origin = tuple(b[0] * n for b, n in zip(row_box[:-1], local))
+    fs, fe = row_box[-1]
+    for f, box in flat_boxes(local, fs, fe):
+        yield box_shift(box, tuple(-o for o in origin)), f - fs
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """One stored tensor of optimizer state as the target's ``.metadata`` lists it: ``key`` (the optimizer's DCP
+    key) at ``offset`` in its reformulated ``global_shape``, stored as ``shape``; it holds state ``state`` of the
+    model chunk ``chunk`` (key, box, writing rank) whole, row-major."""
+
+    chunk: Chunk
+    state: str
+    key: str
+    global_shape: tuple
+    offset: tuple
+    shape: tuple
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ModelSpacePlan:
+    """megatron-core 0.12.1's ``fully_sharded_model_space`` optimizer state of a target: ``layout`` (a
+    ``MegatronLayout`` with its topology), ``chunks`` (its saved chunks, in the order the destination writes them),
+    ``states`` (the state names, in order) and ``has_state`` (HF tensor name -> whether its parameter has optimizer
+    state; None: undecided). ``params``: model key -> chain index (a chained optimizer: 0 dense, 1 expert) or None;
+    ``records``: every state of every chunk of those keys as one row (:class:`StateRecord`, chunk by chunk, the
+    states in order); :meth:`keys`: per optimizer key its global shape, original shape and rows' offsets.
+    ``error``: the exception class of a target megatron would not save this way (the caller's, for its exit code)."""
+
+    def __init__(self, layout, chunks, states, has_state, error=LayoutError):
+        cfg, par = layout.cfg, layout.par
+        chained = cfg.is_moe  # optimizer/__init__.py get_megatron_optimizer: dense and expert optimizers, chained
+        if chained:
+            for s in range(par.pp):
+                if not any(cfg.layer_is_moe(i) for i in range(cfg.layers) if par.stage_of_layer(i) == s):
+                    raise error(f"--keep-optimizer: pipeline stage {s} would hold no MoE layer: megatron "
+                                f"builds a single (not chained) optimizer there, whose state this writer "
+                                f"does not lay out")
+        self.params = {}
+        for key, ts in layout.tensors.items():
+            have = {has_state(sg.hf) for sg in ts.segments}
+            if None in have or len(have) > 1:
+                raise error(f"--keep-optimizer: {key} is made of source tensors of which only some have "
+                            f"optimizer state")
+            if have.pop():
+                self.params[key] = (1 if layout.is_expert(key) else 0) if chained else None
+        self.records = []
+        for c in chunks:
+            if c.key not in self.params:
+                continue
+            shape = layout.tensors[c.key].shape
+            reform, row = row_of(shape, c.box)
+            for state in states:
+                self.records.append(StateRecord(c, state, state_key(state, c.key, self.params[c.key]), reform, row,
+                                                (1,) * len(shape) + (reform[-1],)))
+        self.orig = {c.key: layout.tensors[c.key].shape for c in chunks if c.key in self.params}
+
+    def keys(self) -> dict:
+        """Optimizer key -> (reformulated global shape, original shape, [row offsets]), in the records' order."""
+        out = {}
+        for r in self.records:
+            out.setdefault(r.key, (r.global_shape, self.orig[r.chunk.key], []))[2].append(r.offset)
+        return out

@@ -1,12 +1,14 @@
 """``--out`` checked before any work: a usable name, not an input, replaced only when it holds nothing we would not write."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
 from ..core.errors import InputError
 from ..core.show import show
 from ..formats.hf import COPY_FILES
+from ..formats.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from ..formats.torch_dist import SIDE_CAR
 from ..integrity import MANIFEST, ManifestError, load_manifest
 
@@ -15,7 +17,8 @@ class OutError(InputError):
     """Bad ``--out`` (exit 2)."""
 
 
-KIND_NAMES = {"mcore": "Megatron torch_dist", "hf": "HF safetensors", "vllm": "ckpt-tools vLLM shard"}
+KIND_NAMES = {"mcore": "Megatron torch_dist", "hf": "HF safetensors", "vllm": "ckpt-tools vLLM shard",
+              "adapter": "peft adapter"}
 
 
 def _is_kind(path: str, kind: str) -> bool:
@@ -26,6 +29,8 @@ def _is_kind(path: str, kind: str) -> bool:
         return "config.json" in names and any(n.endswith(".safetensors") for n in names)
     if kind == "vllm":
         return "vllm_layout.json" in names
+    if kind == "adapter":  # fsdp2hf --lora-adapter-out: the two files of peft's layout, nothing else
+        return ADAPTER_CONFIG in names and names <= {ADAPTER_CONFIG, ADAPTER_FILE}
     return False
 
 
@@ -66,6 +71,17 @@ def _check_name(out: str, error, flag: str = "--out"):
 def check_out(output):
     """Refuse a dangerous or unusable ``--out`` before any work (see :mod:`ckpt_tools.output`): ``output`` is the
     :class:`~ckpt_tools.output.stage.Output` (its path, kind, overwrite rule, inputs and error class)."""
+    out = check_place(output)
+    if os.path.isdir(out):
+        if not output.overwrite:
+            raise output.error(f"{output.flag} {show(out)} exists; pass --overwrite to replace it")
+        check_replaceable(output)
+
+
+def check_place(output) -> str:
+    """:func:`check_out`'s rules on where the output is (a name, not a symlink or a file, its parent there, not the
+    current directory or above it, not an input, inside or above one), not on what is there now; returns the path
+    without trailing slashes."""
     out, error, flag = output.path, output.error, output.flag
     if out is None or not str(out).strip():
         raise error(f"{flag} is empty: give the output directory")
@@ -93,10 +109,55 @@ def check_out(output):
             raise error(f"{flag} {show(out)} contains {given} {show(p)}; refusing (replacing it would delete the input)")
         if _inside(rout, rin):
             raise error(f"{flag} {show(out)} is inside {given} {show(p)}; write the output outside the input directory")
-    if os.path.isdir(out):
-        if not output.overwrite:
-            raise error(f"{flag} {show(out)} exists; pass --overwrite to replace it")
-        check_replaceable(output)
+    return out
+
+
+def check_holder(output, names) -> str:
+    """A directory that holds outputs named ``names`` (``--optimizer-out DIR``: one directory per state), checked
+    before any work: :func:`check_place`'s rules, and when it exists it may hold nothing but those outputs and what
+    this tool creates beside them (``NAME.lock``, ``NAME.partial-PID``, ``NAME.old-PID``, ``NAME.conflict-PID``): a
+    directory holding anything else is a user's, refused whatever ``--overwrite`` says. Returns the path."""
+    d = check_place(output)
+    if os.path.isdir(d):
+        ours = re.compile(rf"(?:{'|'.join(map(re.escape, names))})(?:\.lock|\.(?:partial|old|conflict)-\d+(?:\.\d+)?)?")
+        bad = sorted(n for n in os.listdir(d) if not ours.fullmatch(n))
+        if bad:
+            raise output.error(f"{output.flag} {show(d)} exists and holds {show(bad[0])!r}"
+                               f"{f' (+{len(bad) - 1} more)' if len(bad) > 1 else ''}, which ckpt-tools would not "
+                               f"write there; refusing (give a new or empty directory)")
+    return d
+
+
+def check_report(path: str | None, inputs: dict, flag: str, error=OutError):
+    """A report file (``--json FILE``) checked before any work: not a symlink (never followed), not a directory,
+    its parent exists, not an input file nor inside an input directory (realpaths). An existing file elsewhere is
+    replaced (atomically: ``cli.commands``) only when it is a JSON document, as every report is: anything else is
+    not ours to delete. ``-`` is stdout."""
+    if path is None or path == "-":
+        return
+    if os.path.islink(path):
+        raise error(f"{flag} {show(path)} is a symlink; give a real file path (it is not followed)")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise error(f"{flag} {show(path)} exists and is not a regular file")
+    rout = os.path.realpath(path)
+    if not os.path.isdir(os.path.dirname(rout)):
+        raise error(f"{flag} {show(path)}: parent directory {show(os.path.dirname(rout))} does not exist")
+    for given, p in inputs.items():
+        for one in p if isinstance(p, list) else [p]:
+            if not one:
+                continue
+            rin = os.path.realpath(one)
+            if rout == rin:
+                raise error(f"{flag} {show(path)} is {given} {show(one)}; refusing to write over an input")
+            if _inside(rout, os.path.dirname(rin) if os.path.isfile(rin) else rin):
+                raise error(f"{flag} {show(path)} is inside {given} {show(one)}; write the report outside the input")
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                json.loads(f.read())
+        except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+            raise error(f"{flag} {show(path)} exists and is not a JSON report; it is left as it is: move it or "
+                        f"choose another path") from None
 
 
 def check_replaceable(output):
@@ -122,7 +183,8 @@ def _our_names(kind: str):
     side = "|".join(map(re.escape, COPY_FILES))
     return re.compile({"mcore": r"__\d+_\d+\.distcp|common\.pt|metadata\.json|\.metadata",
                        "hf": rf"[^/]+\.safetensors|model\.safetensors\.index\.json|{side}",
-                       "vllm": rf"(?:dp_\d+/)?(?:[^/]+\.safetensors|{side})|vllm_layout\.json"}.get(kind, r"(?!)"))
+                       "vllm": rf"(?:dp_\d+/)?(?:[^/]+\.safetensors|{side})|vllm_layout\.json",
+                       "adapter": f"{re.escape(ADAPTER_FILE)}|{re.escape(ADAPTER_CONFIG)}"}.get(kind, r"(?!)"))
 
 
 def foreign_files(out: str, kind: str) -> list[str]:

@@ -78,6 +78,8 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
     default group (gloo); ``first`` / ``last``: layers of the first / last pipeline stage (megatron's
     num_layers_in_first/last_pipeline_stage); ``sequence_parallel``: megatron's, which it requires to train a MoE
     model at TP > 1 (moe_layer.py; gloo has the reduce-scatter it needs)."""
+    import dataclasses
+
     import torch.nn.functional as F
 
     from .. import _mcore_cpu
@@ -103,7 +105,12 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     E = cfg.experts
     kw = transformer_kwargs(cfg)
-    tc = (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(
+    config_class = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
+    if "max_position_embeddings" not in {f.name for f in dataclasses.fields(config_class)}:
+        # megatron-core 0.16.1's MLATransformerConfig has no such field (transformer/transformer_config.py: only
+        # yarn's original_max_position_embeddings; plain rope, as here, reads none)
+        kw.pop("max_position_embeddings", None)
+    tc = config_class(
         **kw, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, num_layers_in_first_pipeline_stage=first,
@@ -117,6 +124,7 @@ def build_gpt_model(hfcfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
         get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm",
                                  multi_latent_attention=tc.multi_latent_attention)
     if tc.multi_latent_attention:  # the local DotProductAttention, taking MLA's k / v channel arguments
+        _mcore_cpu.mla_without_te()
         for layer in getattr(spec, "layer_specs", None) or [spec]:
             layer.submodules.self_attention.submodules.core_attention = _mcore_cpu.mla_core_attention()
     extra = {}

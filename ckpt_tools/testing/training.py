@@ -25,6 +25,9 @@ def optimizer_step(master: torch.Tensor, gen: torch.Generator, rel: float, dtype
     return master.to(dtype)
 
 
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")  # megatron's vocab-row tensors
+
+
 def save_training_state(rank: int, world: int, a: dict):
     """One gloo rank of a DP world (``spawn_ranks``): a synthetic training checkpoint ``a['out']`` written by
     megatron's own dist_checkpointing.save without a model or an optimizer: the weights (rank 0, random, at the
@@ -33,7 +36,8 @@ def save_training_state(rank: int, world: int, a: dict):
     ``sharded_tensor_to_torch_sharded_tensor`` takes one flat range of a chunk per rank; random fp32; the router's
     ``expert_bias``, a buffer in megatron (moe/router.py register_buffer), has none), chained as
     ``get_megatron_optimizer`` chains a MoE model's dense and expert optimizers. scripts/bench_optim.py's source and
-    tests/test_training_state.py's family sweep."""
+    tests/test_training_state.py's family sweep. ``a['vocab']``: the HF vocab of a layout with padded vocab rows
+    (Megatron-LM's ``--make-vocab-size-divisible-by``): the weights' rows from it are zero, their states random."""
     import math
 
     import numpy as np
@@ -67,6 +71,8 @@ def save_training_state(rank: int, world: int, a: dict):
             frag = tuple(gs // ls for gs, ls in zip(gshape, loc))
             if rank == 0:
                 w = torch.randn(loc, generator=g).to(tm.properties.dtype)
+                if a.get("vocab") and key.endswith(VOCAB_KEYS):  # padded vocab: its rows beyond are zero weights
+                    w[max(0, a["vocab"] - off[0]):] = 0
                 sd[f"w/{key}/{ci}"] = ShardedTensor(key, w, w.dtype, loc, gshape, off, frag)
             n = math.prod(loc)
             cuts = [n * i * 7 // (13 * world) if 0 < i < world else n * i // world for i in range(world + 1)]

@@ -50,7 +50,7 @@ class SmallRequests:
         return self._whole(key, self.raw.get(key))
 
     def compare_set(self, key: str, expected: str, value: str) -> bytes:
-        return self.raw.compare_set(key, expected, value)  # callers keep these values small (ranks._record_fail)
+        return self.raw.compare_set(key, expected, value)  # callers keep these values small (group.record_fail)
 
     def _whole(self, key: str, v: bytes) -> bytes:
         if not v.startswith(b"\0"):

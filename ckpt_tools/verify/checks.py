@@ -3,7 +3,9 @@ passes (:func:`checked_source`)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
+import warnings
 
 from tqdm import tqdm
 
@@ -23,7 +25,9 @@ def structure_checks(view) -> tuple[list[tuple[str, bool]], dict | None]:
     model weights) pairs, the per-loader report or None)."""
     out = [(p, True) for p in view.integrity()]
     if view.kind == "mcore":
-        out += view.ckpt.structure()
+        with warnings.catch_warnings():  # a refused common.pt is our one line, not also torch's warning about it
+            warnings.filterwarnings("ignore", category=UserWarning, module="torch._weights_only_unpickler")
+            out += view.ckpt.structure()
     loaders = None
     fn = getattr(view, "loaders", None)
     if callable(fn):
@@ -171,16 +175,21 @@ def checked_source(path: str, open_view, cmd: str):
     if man is not None:
         check = SourceCheck(path, man)
         probs = check.precheck()
-        bad = [p for rel, p in probs if rel != "common.pt"]  # the one file no conversion reads
+        bad = [p for rel, p in probs if rel != "common.pt"]  # the one file a weights-only conversion does not read
         if bad:
             fail(IntegrityError, "source does not match its manifest: ", bad)
-        warn += [p for _, p in probs]
+        warn += [(rel, p) for rel, p in probs]
     view = open_view()
-    probs, _ = structure_checks(view)
-    bad = [p for p, weights in probs if weights]
+    copied = tuple(getattr(view, "copied_files", ()))  # side files this conversion copies (--keep-optimizer's
+    bad = [p for rel, p in warn if rel in copied]      # common.pt): inputs like the weights, refused alike
+    if bad:
+        fail(IntegrityError, "source does not match its manifest: ", bad)
+    probs, _ = structure_checks(view)  # a copied file's structure: checked, one line, where it is read and copied
+    probs = [(p, w) for p, w in probs if not any(re.match(rf"(missing )?{re.escape(f)}\b", p) for f in copied)]
+    bad = [p for p, weights in probs if weights]     # (formats/training.py OptimizerSource.common)
     if bad:
         fail(FormatError, "", bad)
-    for p in warn + [p for p, _ in probs]:
+    for p in [p for _, p in warn] + [p for p, _ in probs]:
         print(f"ckpt-tools {cmd}: warning: {path}: {p} (not used by this conversion)", file=sys.stderr)
     print_notes(view, cmd)
     return view, check
