@@ -200,7 +200,8 @@ def test_a_record_like_a_whole_one_is_whole_only_when_its_structure_bytes_are(sr
     import struct
     from collections import defaultdict
 
-    from ckpt_tools.formats.torch_dist_reader import TorchDistReader, zip_problem
+    from ckpt_tools.formats.torch_dist_reader import TorchDistReader
+    from ckpt_tools.formats.zip_records import zip_problem
 
     mc = str(tmp_path / "mc")
     shutil.copytree(srcs["mcore"], mc)

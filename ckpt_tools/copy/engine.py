@@ -42,8 +42,10 @@ from collections import deque
 
 import numpy as np
 
+from ..core.errors import InputError
 from ..core.lazy import torch
-from ..integrity import hash_bytes, hash_range
+from ..integrity import CrcCheck, IntegrityError, hash_bytes, hash_range
+from ..integrity.crc_check import zip_crc_problem
 from ..layout import box_numel, box_shape, box_shift, box_slices
 from ..layout.blocks import scale_box
 from .dequant import SCRATCH_BYTES_PER_ELEM, dequant_into, scratch_elems
@@ -93,15 +95,18 @@ class Engine(EngineIO):
     MIN_CAP = 8 << 20  # per-worker arena floor, whatever --max-memory says
 
     def __init__(self, workers: int = 2, max_memory: int = 4 << 30, progress=None, readahead: int = 2,
-                 direct: bool = True, io_threads: int = 8, hashes: list | None = None, check=None):
+                 direct: bool = True, io_threads: int = 8, hashes: list | None = None, check=None, crc=None):
         """``readahead``: how many units are planned ahead of the workers. ``direct``: read and write long
         runs with O_DIRECT where the file system allows it (falls back to buffered I/O by itself).
         ``io_threads``: O_DIRECT requests in flight, shared by the workers. ``hashes``: a list that gets
         (path, file offset, length, xxh3_64 hex, record name) for every destination block written, hashed
         from the arena right before it is written (:mod:`ckpt_tools.integrity`). ``check``: the source's
-        :class:`~ckpt_tools.integrity.SourceCheck`, fed every source byte as it is read."""
+        :class:`~ckpt_tools.integrity.SourceCheck`, fed every source byte as it is read. ``crc``: a
+        :class:`~ckpt_tools.integrity.CrcCheck`, told of every source record a unit reads and fed its bytes after
+        the unit's reads (outside the read turnstile: the order of the pieces does not matter to it)."""
         self.hashes = hashes
         self.check = check
+        self.crc = crc
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         self.direct_read = self.direct
         self.io_threads = max(1, int(io_threads))
@@ -122,7 +127,7 @@ class Engine(EngineIO):
         self._failed = False
         self.stats = {"copy_file_range_bytes": 0, "bounce_bytes": 0, "direct_read_bytes": 0, "staged_bytes": 0,
                       "arena_peak_bytes": 0, "direct_write_bytes": 0, "direct_read_span_bytes": 0,
-                      "fill_bytes": 0, "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "t_hash": 0.0, "slow_records": 0,
+                      "fill_bytes": 0, "t_wait_turn": 0.0, "t_read": 0.0, "t_copy": 0.0, "t_write": 0.0, "t_plan": 0.0, "t_hash": 0.0, "t_crc": 0.0, "slow_records": 0,
                       "units": 0, "blocks": 0}
         self._stats_lock = threading.Lock()
 
@@ -163,6 +168,12 @@ class Engine(EngineIO):
         buf = bytearray(length)
         self._pread_into(src, memoryview(buf), off)
         self._feed(src, off, [buf])
+        try:
+            why = zip_crc_problem(buf) if self.crc is not None else None
+        except InputError as e:
+            raise EngineError(f"{src.path}: {src.what} at byte {off}: {e}") from None
+        if why is not None:
+            raise IntegrityError(f"{src.path}: {src.what} at byte {off}: {why}: the file is damaged")
         try:
             t = torch.load(io.BytesIO(buf), weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - a corrupted record raises anything
@@ -276,6 +287,8 @@ class Engine(EngineIO):
             fd = self.fd(s.path)
             path_of[fd] = s
             reads.append((fd, off, mv))
+            if s.crc is not None and self.crc is not None:
+                self.crc.expect(s)
             # a zip-record source not checked yet: read the header bytes before its data in the same syscall
             if s.expect_head is not None and not s.slow and id(s) not in heads and id(s) not in self._checked:
                 h = bytearray(len(s.expect_head))
@@ -334,7 +347,9 @@ class Engine(EngineIO):
         self._wait_turn(unit)
         t1 = time.perf_counter()
         try:
-            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None)
+            # a hole read through inside a zip entry is fed to the checks: in a buffer of its own (the shared junk
+            # buffer's bytes are another worker's by then)
+            runs = merge_runs(reads, gap=self.GAP_FILL, keep_gaps=self.check is not None or self.crc is not None)
             self._read_runs(runs, path_of)
             for fd, off, bufs, _ in runs:  # in read order (the turnstile): each source range hashed as it streams
                 self._feed(path_of[fd], off, bufs)
@@ -350,6 +365,12 @@ class Engine(EngineIO):
                         slow[id(s)] = self._load_slow(s)
         finally:
             self._next_turn()
+        if self.crc is not None:  # each zip entry's CRC-32 from the bytes just read (any order; zlib frees the GIL)
+            tc = time.perf_counter()
+            for fd, off, bufs, _ in runs:
+                self.crc.feed(path_of[fd].path, off, bufs)
+            t2 += time.perf_counter() - tc
+            self._count("t_crc", time.perf_counter() - tc)
         for b, s, sb, local in direct_ops:  # a source that was not what it claimed: redo from torch.load
             if id(s) in slow:
                 dv = self._block_view(arena, offs, b, views)[box_slices(local)]
@@ -465,19 +486,29 @@ class Engine(EngineIO):
 
 
 def run_copy(items, workers: int = 2, max_memory: int = 4 << 30, progress=None, sync: bool = True,
-             direct: bool = True, io_threads: int = 8, hashes: list | None = None, check=None) -> dict:
+             direct: bool = True, io_threads: int = 8, hashes: list | None = None, check=None,
+             crc: bool = True) -> dict:
     """Copy into destination records: ``items`` yields (destination Rec, [Op into it]) in processing order
     (a generator is fine and is consumed as the copy proceeds). Destination files must exist at their final
     size; they are fsync'ed at the end (``sync``). ``direct``: O_DIRECT writes where possible; without them,
     pieces of CFR_MIN bytes or more go through copy_file_range (not under a source ``check``: those bytes
     would never pass through memory). ``check``: a :class:`~ckpt_tools.integrity.SourceCheck` of the source,
-    fed every byte read and finished (the ranges read in part re-hashed) before this returns."""
-    eng = Engine(workers, max_memory, progress, direct=direct, io_threads=io_threads, hashes=hashes, check=check)
+    fed every byte read and finished (the ranges read in part re-hashed) before this returns. ``crc``: every
+    source zip entry's CRC-32 checked (:class:`~ckpt_tools.integrity.CrcCheck`; where one was written), those read
+    in part read again whole before this returns; a mismatch raises IntegrityError."""
+    crcs = CrcCheck() if crc else None
+    eng = Engine(workers, max_memory, progress, direct=direct, io_threads=io_threads, hashes=hashes, check=check,
+                 crc=crcs)
     try:
         eng.run(plan_units(items, eng.cap, cfr_min=None if eng.direct or check is not None else CFR_MIN))
         if check is not None:
             check.finish()
             eng.stats.update(source_stream_bytes=check.stream_bytes, source_rehash_bytes=check.rehash_bytes)
+        if crcs is not None:
+            tc = time.perf_counter()
+            crcs.finish()
+            eng.stats.update(crc_bytes=crcs.checked_bytes, crc_reread_bytes=crcs.reread_bytes,
+                             t_crc=eng.stats["t_crc"] + time.perf_counter() - tc)
     finally:
         eng.close(sync=sync and not eng._failed)
     return eng.stats

@@ -25,7 +25,8 @@ class Rec:
     Source records inside a torch.save zip record carry ``expect_head`` (the bytes that must precede the
     data) and ``span`` (the zip record's (offset, length), for the slow path); ``slow`` forces it.
     A block-scaled FP8 source (DeepSeek's format) carries its ``scale`` record (float32, one value per ``block``
-    of (rows, columns)): its values are :func:`~ckpt_tools.copy.dequant.dequant_into`'s bf16, never its bytes."""
+    of (rows, columns)): its values are :func:`~ckpt_tools.copy.dequant.dequant_into`'s bf16, never its bytes.
+    A source inside a zip entry whose CRC-32 was written carries ``crc``: the engine checks it as the bytes stream."""
 
     path: str
     offset: int
@@ -39,6 +40,7 @@ class Rec:
     what: str = ""
     scale: Rec | None = None
     block: tuple = ()
+    crc: tuple | None = None  # (file offset, length, CRC-32) of the zip entry holding the data: integrity.CrcCheck
 
     @property
     def nbytes(self) -> int:

@@ -25,19 +25,18 @@ verl's own merger (``verl/model_merger/fsdp_model_merger.py``) ``torch.load``\\ 
 from __future__ import annotations
 
 import glob
-import io
 import math
 import os
 import re
-import zipfile
-from collections import OrderedDict
 
 from ..copy.plan import Rec
 from ..core.errors import InputError
 from ..core.files import read_json
-from ..core.lazy import torch, torch_dtype
+from ..core.lazy import dtype_name, torch, torch_dtype
 from ..layout import Box, box_intersect, box_shift, full_box
-from .safe_pickle import AllowListUnpickler, UnsafePickleError
+from .pickle_scan import MAX_BYTES
+from .safe_pickle import FsdpUnpickler, TensorRef, UnsafePickleError, WrapperRef, ints
+from .zip_records import NotRegularFile, crc_problem, open_regular, stored_entries
 
 FSDP_CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -48,182 +47,6 @@ class FsdpError(InputError):
     pass
 
 
-# ----------------------------------------------------------------------------------------------- the unpickler
-class _Obj:
-    """An inert record of an allowed class: NEWOBJ's arguments in ``_args``, BUILD's state in ``__dict__`` (or
-    ``_state`` when it is not a dict); nothing runs."""
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj.__dict__["_args"] = args
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
-            for s in state:
-                self.__dict__.update(s or {})
-        elif isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["_state"] = state
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.__dict__})"
-
-
-def _rec(name):
-    return type(name, (_Obj,), {"__module__": __name__})
-
-
-_DT = "torch.distributed.tensor"
-_ST = "torch.distributed._shard"
-# (module, name) -> record class. Every one of them is data: built from its pickled fields, nothing called.
-_RECORDS = {
-    (f"{_DT}", "DTensor"): _rec("DTensor"),
-    ("torch.distributed._tensor.api", "DTensor"): _rec("DTensor"),
-    (f"{_DT}._dtensor_spec", "DTensorSpec"): _rec("DTensorSpec"),
-    (f"{_DT}._dtensor_spec", "TensorMeta"): _rec("TensorMeta"),
-    (f"{_DT}._dtensor_spec", "ShardOrderEntry"): _rec("ShardOrderEntry"),
-    (f"{_DT}.placement_types", "Shard"): _rec("Shard"),
-    (f"{_DT}.placement_types", "Replicate"): _rec("Replicate"),
-    ("torch.distributed.device_mesh", "DeviceMesh"): _rec("DeviceMesh"),
-    ("torch.distributed._mesh_layout", "_MeshLayout"): _rec("_MeshLayout"),
-    ("torch.distributed._mesh_layout", "_FlatLayout"): _rec("_FlatLayout"),
-    (f"{_ST}.sharded_tensor.api", "ShardedTensor"): _rec("ShardedTensor"),
-    (f"{_ST}.sharded_tensor.shard", "Shard"): _rec("LocalShard"),
-    (f"{_ST}.metadata", "ShardMetadata"): _rec("ShardMetadata"),
-    (f"{_ST}.sharded_tensor.metadata", "ShardedTensorMetadata"): _rec("ShardedTensorMetadata"),
-    (f"{_ST}.sharded_tensor.metadata", "TensorProperties"): _rec("STProperties"),
-    (f"{_ST}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): _rec("ChunkShardingSpec"),
-    ("torch.distributed.remote_device", "_remote_device"): _rec("RemoteDevice"),
-}
-_PG_STATE = _rec("ProcessGroupState")  # ShardedTensor.ProcessGroupState, reached through getattr
-_PARTIAL = {(f"{_DT}.placement_types", n) for n in ("Partial", "_Partial")} | {
-    ("torch.distributed._tensor.placement_types", n) for n in ("Partial", "_Partial")}
-_STORAGES = {f"{n}Storage": d for n, d in (
-    ("Float", "float32"), ("Double", "float64"), ("Half", "float16"), ("BFloat16", "bfloat16"), ("Long", "int64"),
-    ("Int", "int32"), ("Short", "int16"), ("Char", "int8"), ("Byte", "uint8"), ("Bool", "bool"))}
-
-
-class _StorageType:
-    def __init__(self, dtype_name):
-        self.dtype_name = dtype_name
-
-
-class _Storage:
-    """A storage by its zip key (``data/{key}``), dtype and element count: never loaded."""
-
-    def __init__(self, key, dtype_name, numel):
-        self.key, self.dtype_name, self.numel = key, dtype_name, numel
-
-
-class TensorRef:
-    """A plain tensor of the pickle: its storage, offset, size and stride (torch._utils._rebuild_tensor_v2's
-    arguments)."""
-
-    def __init__(self, storage, offset, size, stride):
-        self.storage, self.offset, self.size, self.stride = storage, int(offset), tuple(size), tuple(stride)
-
-    @property
-    def dtype_name(self):
-        return self.storage.dtype_name
-
-
-class WrapperRef:
-    """A tensor subclass rebuilt by torch._utils._rebuild_wrapper_subclass (DTensor, ShardedTensor): its class
-    record, dtype and global size; ``state`` what _rebuild_from_type_v2 sets on it."""
-
-    def __init__(self, cls, dtype, size):
-        self.cls, self.dtype, self.size, self.state = cls, dtype, tuple(size), None
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
-                       metadata=None):
-    if not isinstance(storage, _Storage):
-        raise UnsafePickleError("a tensor rebuilt from something that is not a storage of the file")
-    return TensorRef(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
-    return data
-
-
-def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
-    return WrapperRef(cls, dtype, size)
-
-
-_REBUILDERS = {_rebuild_tensor_v2, _rebuild_wrapper_subclass, _rebuild_parameter}
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    if func not in _REBUILDERS:
-        raise UnsafePickleError("_rebuild_from_type_v2 of a function that is not a tensor rebuild")
-    ret = func(*args)
-    if isinstance(ret, WrapperRef):
-        ret.state = state
-    return ret
-
-
-def _getattr(obj, name):
-    """pickle's ``getattr`` global, for ShardedTensor.ProcessGroupState only."""
-    if obj is _RECORDS[(f"{_ST}.sharded_tensor.api", "ShardedTensor")] and name == "ProcessGroupState":
-        return _PG_STATE
-    raise UnsafePickleError(f"refusing getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r})")
-
-
-def _mem_format(v):
-    return v
-
-
-def _device(*args):
-    return args[0] if args else "cpu"
-
-
-class FsdpUnpickler(AllowListUnpickler):
-    """The allow-list unpickler of a verl FSDP rank file's ``data.pkl`` (see the module doc)."""
-
-    records = _RECORDS
-
-    def allowed(self, module, name):
-        key = (module, name)
-        if key in _PARTIAL:
-            raise FsdpError(f"{self.what}: a DTensor with a Partial placement (unreduced values): not a weight "
-                            f"checkpoint this can read (verl's merger refuses it too)")
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_wrapper_subclass",
-                                                 "_rebuild_parameter"):
-            return globals()[name]
-        if key == ("torch._tensor", "_rebuild_from_type_v2"):
-            return _rebuild_from_type_v2
-        if key in (("__builtin__", "getattr"), ("builtins", "getattr")):
-            return _getattr
-        if key == ("collections", "OrderedDict"):
-            return OrderedDict
-        if key == ("torch", "Size"):
-            return tuple
-        if key == ("torch", "device"):
-            return _device
-        if key == ("torch.serialization", "_get_layout"):
-            return str
-        if key == (f"{_ST}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"):
-            return _mem_format
-        if module == "torch" and name in _STORAGES:
-            return _StorageType(_STORAGES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafePickleError(f"{self.what}: refusing to unpickle {module}.{name} (not a class a verl FSDP "
-                                f"model state dict is built from; the file may be crafted to run code)")
-
-    def persistent_load(self, pid):
-        # torch.serialization's _save: ('storage', storage_type, key, location, numel)
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and isinstance(pid[4], int)):
-            raise UnsafePickleError(f"{self.what}: a persistent id that is not a torch storage ({str(pid)[:80]})")
-        return _Storage(pid[2], pid[1].dtype_name, pid[4])
-
-
 # ------------------------------------------------------------------------------------------------ a rank file
 class Piece:
     """One stored part of a global tensor: the source record and its box in the global tensor."""
@@ -232,6 +55,17 @@ class Piece:
 
     def __init__(self, rec, box, rank):
         self.rec, self.box, self.rank = rec, box, rank
+
+
+def ints_list(v) -> list:
+    """``v`` as a list (a mesh layout's axes), at most 64 long, else refused."""
+    if not isinstance(v, (tuple, list)) or len(v) > 64:
+        raise FsdpError("a DeviceMesh layout that is not a short list")
+    return list(v)
+
+
+def shown_key(key: str) -> str:
+    return key[:64]
 
 
 def _chunk(size: int, n: int, c: int) -> tuple[int, int]:
@@ -252,12 +86,16 @@ def _mesh_info(mesh, rank: int):
     shape = None
     lay = getattr(mesh, "_layout", None)
     if lay is not None and getattr(lay, "axes", None) is not None:  # torch >= 2.10: _MeshLayout of _FlatLayouts
-        shape = tuple(math.prod(getattr(a, "shape", ()) or (1,)) for a in lay.axes)
+        shape = tuple(math.prod(ints(getattr(a, "shape", ()), "mesh shape") or (1,)) for a in ints_list(lay.axes))
     elif isinstance(getattr(mesh, "mesh", None), TensorRef):  # older torch: the mesh tensor itself
         shape = mesh.mesh.size
     if shape is None:
         raise FsdpError("a DeviceMesh without a shape this reader knows")
     coord = getattr(mesh, "_coordinate_on_dim", None)
+    if coord is not None:
+        coord = ints(coord, "mesh coordinate")
+    if names is not None and not (isinstance(names, (tuple, list)) and all(type(x) is str for x in names)):
+        raise FsdpError("a DeviceMesh whose dim names are not strings")
     if coord is None:  # init_device_mesh's mesh is arange(world).view(shape): the rank's row-major coordinates
         coord, r = [], rank
         for n in reversed(shape):
@@ -274,40 +112,49 @@ class RankFile:
     def __init__(self, path: str, rank: int):
         self.path, self.rank = path, rank
         try:
-            zr = torch._C.PyTorchFileReader(path)
-            records = zr.get_all_records()
-        except Exception as e:  # noqa: BLE001 - a damaged zip raises anything
-            raise FsdpError(f"{path}: not a torch.save file ({type(e).__name__}: {str(e)[:120]})") from None
-        if "data.pkl" not in records:
-            raise FsdpError(f"{path}: no data.pkl (a torch.save file from torch's legacy format is not supported)")
-        if "byteorder" in records and bytes(zr.get_record("byteorder")) != b"little":
-            raise FsdpError(f"{path}: big-endian tensors are not supported")
+            with open_regular(path) as f:  # a FIFO: refused, not waited on
+                self.entries = stored_entries(f, path, FsdpError)
+                pkl = self.entries.get("data.pkl")
+                if pkl is None:
+                    raise FsdpError(f"{path}: no data.pkl (a torch.save file from torch's legacy format is not "
+                                    f"supported)")
+                if pkl.size > MAX_BYTES:
+                    raise FsdpError(f"{path}: data.pkl of {pkl.size} bytes (the limit is {MAX_BYTES})")
+                raw = self._entry(f, pkl)
+                bo = self.entries.get("byteorder")
+                if bo is not None and (bo.size > 16 or self._entry(f, bo) != b"little"):
+                    raise FsdpError(f"{path}: big-endian tensors are not supported")
+        except NotRegularFile as e:
+            raise FsdpError(str(e)) from None
+        why = crc_problem(raw, pkl.crc, f"{path}: data.pkl")
+        if why:
+            raise FsdpError(f"{why} (the file is damaged)")
         try:
-            self.sd = FsdpUnpickler(io.BytesIO(bytes(zr.get_record("data.pkl"))), path).load()
+            self.sd = FsdpUnpickler.read(raw, path)
         except (UnsafePickleError, FsdpError):
             raise
-        except Exception as e:  # noqa: BLE001 - a corrupted pickle raises anything
-            raise FsdpError(f"{path}: data.pkl unreadable ({type(e).__name__}: {str(e)[:120]})") from None
-        if not isinstance(self.sd, dict):
+        except Exception as e:  # noqa: BLE001 - a corrupted pickle raises anything (its values are not printed)
+            raise FsdpError(f"{path}: data.pkl unreadable ({type(e).__name__})") from None
+        if type(self.sd) is not dict and not isinstance(self.sd, dict):
             raise FsdpError(f"{path}: holds a {type(self.sd).__name__}, not a model state dict")
-        self._zr = zr
-        self._offsets: dict = {}
-        self._size_of = None
+        if not all(type(k) is str and len(k) <= 1024 for k in self.sd):
+            raise FsdpError(f"{path}: a state dict entry whose name is not a string of at most 1024 characters")
+
+    def _entry(self, f, e) -> bytes:
+        f.seek(e.offset)
+        b = f.read(e.size)
+        if len(b) != e.size:
+            raise FsdpError(f"{self.path}: truncated (a zip entry needs {e.size} bytes at {e.offset})")
+        return b
 
     def rec(self, name: str, t: TensorRef) -> Rec:
-        """The engine source record of plain tensor ``t`` (contiguous row-major, inside its storage)."""
+        """The engine source record of plain tensor ``t`` (contiguous row-major, inside its storage); it carries
+        the storage entry's CRC-32 (where one was written) for the copy to check as the bytes stream."""
         st = t.storage
-        key = f"data/{st.key}"
-        got = self._offsets.get(key)
-        if got is None:
-            size = self._sizes().get(key)
-            try:
-                if size is None:
-                    raise KeyError(key)
-                got = self._offsets[key] = (self._zr.get_record_offset(key), size)
-            except Exception:  # noqa: BLE001
-                raise FsdpError(f"{self.path}: {name}: its storage {key} is not in the file") from None
-        off, size = got
+        ent = self.entries.get(f"data/{st.key}")
+        if ent is None:
+            raise FsdpError(f"{self.path}: {name}: its storage data/{shown_key(st.key)} is not in the file")
+        off, size = ent.offset, ent.size
         dt = torch_dtype(st.dtype_name)
         n = math.prod(t.size)
         want, s = [], 1
@@ -321,15 +168,8 @@ class RankFile:
         if t.offset < 0 or t.offset + n > st.numel or end > size:
             raise FsdpError(f"{self.path}: {name} runs past its storage ({t.offset}+{n} of {st.numel} elements, "
                             f"{size} bytes stored)")
-        return Rec(self.path, off + t.offset * dt.itemsize, t.size, dt, what=f"{name} in {os.path.basename(self.path)}")
-
-    def _sizes(self) -> dict:
-        """Zip entry (record name without the archive's folder) -> stored size, from the central directory
-        (the standard library's zip reader: torch < 2.8's reader has no get_record_size)."""
-        if self._size_of is None:
-            with zipfile.ZipFile(self.path) as z:
-                self._size_of = {i.filename.split("/", 1)[-1]: i.file_size for i in z.infolist()}
-        return self._size_of
+        return Rec(self.path, off + t.offset * dt.itemsize, t.size, dt, what=f"{name} in {os.path.basename(self.path)}",
+                   crc=(off, size, ent.crc) if ent.crc else None)
 
     def read_small(self, t: TensorRef):
         """A small plain tensor's values (a mesh tensor of an older torch's DeviceMesh)."""
@@ -395,6 +235,9 @@ class RankFile:
             raise FsdpError(f"{self.path}: {name}: local tensor {list(local.size)} on mesh {list(shape)} at "
                             f"{list(coord)}, torch's chunking of {list(gshape)} gives {[b - a for a, b in box]}")
         dt = local.dtype_name
+        if dtype_name(v.dtype) != dt:  # torch.load would hand back the storage's bytes under the DTensor's dtype
+            raise FsdpError(f"{self.path}: {name}: a {dtype_name(v.dtype)} DTensor whose local tensor is stored as "
+                            f"{dt} (its pickled storage type): the file is inconsistent")
         info = {"kind": "DTensor", "placements": kinds, "mesh": list(shape), "mesh_dim_names": names}
         pieces = [Piece(self.rec(name, local), box, self.rank)] if primary and math.prod(local.size) else []
         return gshape, dt, pieces, info
@@ -404,22 +247,25 @@ class RankFile:
         shards, md = (st[0], st[1]) if isinstance(st, tuple) and len(st) >= 2 else (None, None)
         if not isinstance(shards, list) or md is None:
             raise FsdpError(f"{self.path}: {name}: a ShardedTensor without its local shards or metadata")
-        gshape = tuple(getattr(md, "size", v.size))
+        gshape = ints(getattr(md, "size", v.size), "size")
         pieces, dt = [], None
         for sh in shards:
             t, sm = getattr(sh, "tensor", None), getattr(sh, "metadata", None)
             if not isinstance(t, TensorRef) or sm is None:
                 raise FsdpError(f"{self.path}: {name}: a local shard without its tensor or metadata")
-            off, sz = list(sm.shard_offsets), list(sm.shard_sizes)
+            off, sz = list(ints(sm.shard_offsets, "offset")), list(ints(sm.shard_sizes, "size"))
             if tuple(sz) != t.size or len(off) != len(gshape) or any(
                     o < 0 or o + s > g for o, s, g in zip(off, sz, gshape)):
                 raise FsdpError(f"{self.path}: {name}: local shard {sz} at {off} does not fit {list(gshape)}")
             dt = t.dtype_name
+            if dtype_name(v.dtype) != dt:
+                raise FsdpError(f"{self.path}: {name}: a {dtype_name(v.dtype)} ShardedTensor whose local shard is "
+                                f"stored as {dt} (its pickled storage type): the file is inconsistent")
             if math.prod(sz):
                 pieces.append(Piece(self.rec(name, t), tuple((o, o + s) for o, s in zip(off, sz)), self.rank))
         if dt is None:
-            dt = getattr(getattr(md, "tensor_properties", None), "_state", (None,))[0]
-            dt = str(dt).replace("torch.", "") if dt is not None else None
+            dt = (getattr(getattr(md, "tensor_properties", None), "_state", None) or (None,))[0]
+            dt = dtype_name(dt) if isinstance(dt, torch.dtype) else None
         n_all = len(getattr(md, "shards_metadata", []) or [])
         return gshape, dt, pieces, {"kind": "ShardedTensor", "placements": [f"{n_all} chunks (dim 0)"]}
 

@@ -3,6 +3,7 @@ LoRA names included (merged by formats/lora.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import converters
 
@@ -102,6 +103,10 @@ class FsdpView:
         for h, (n, _, _) in self.fused.items():
             if h in self.shapes:
                 self.stored[h] = n
+        for h in sorted(untied & set(base)):  # tied by the config, yet stored: never dropped unless it is the copy
+            why = self._tied_copy(base, h)
+            if why:
+                problems.append(why)
         for h, shp in self.shapes.items():
             if h not in self.stored:
                 problems.append(f"missing {h}" + mtp_hint(cfg, [h]))
@@ -123,6 +128,28 @@ class FsdpView:
         check_weight_dtypes(path, cfg, ((self.stored[h], self._dt(h)) for h in self.shapes))
         dts = {self._dt(h) for h in self.shapes}
         self.dtype = dts.pop() if len(dts) == 1 else None
+
+    def _tied_copy(self, base: dict, head: str) -> str | None:
+        """None when stored tensor ``head`` (an output head the config ties to the embedding, so not written) is
+        the embedding: the same stored bytes (a tied module's state dict names one storage twice) or, stored apart,
+        equal values (compared in row blocks); else why it would be dropped."""
+        table = converters.get(self.cfg.model_type)
+        emb = next((r["hf"] for r in table.GLOBAL if "vllm_tied" in r), None)  # the tensor a tied head is
+        n, en = base[head], base.get(emb)
+        if en is None:
+            return None  # (missing: said apart)
+        hs, ht, hp, _ = self.ckpt.tensors[n]
+        es, et, ep, _ = self.ckpt.tensors[en]
+        if (hs, ht) == (es, et):
+            if [(p.rec.path, p.rec.offset, p.box) for p in hp] == [(p.rec.path, p.rec.offset, p.box) for p in ep]:
+                return None
+            step = max(1, (32 << 20) // max(1, math.prod(hs[1:]) * torch_dtype(ht).itemsize))
+            if all(torch.equal(self.read_stored(n, ((r, min(r + step, hs[0])),) + tuple((0, d) for d in hs[1:])),
+                               self.read_stored(en, ((r, min(r + step, hs[0])),) + tuple((0, d) for d in hs[1:])))
+                   for r in range(0, hs[0], step)):
+                return None
+        return (f"holds {n}, a trained output head that differs from {en}, but config.json ties them "
+                f"(tie_word_embeddings: true): it would be dropped; fix the config or pass --hf-config")
 
     def _fused(self, base: dict) -> dict:
         """The fused expert tensors of transformers >= 5's models (the family's ``HF_FUSED``, converters/) as

@@ -1,4 +1,7 @@
-"""Reading a checkpoint's ``.metadata`` without running code from it.
+"""Every untrusted pickle read without running code from it: a DCP ``.metadata`` (:func:`load_metadata`) and a verl
+FSDP rank file's ``data.pkl`` (:class:`FsdpUnpickler`); their allow-lists are data here, one reader
+(:class:`AllowListUnpickler`) and one set of limits (:mod:`ckpt_tools.formats.pickle_scan`, checked before the
+load) serve both. The zip checks around them: :mod:`ckpt_tools.formats.zip_records`.
 
 torch's ``FileSystemReader.read_metadata`` (torch/distributed/checkpoint/filesystem.py) is a plain
 ``pickle.load``: a crafted ``.metadata`` runs any command while ``inspect`` or ``verify`` merely look at it.
@@ -23,15 +26,13 @@ memory format as torch/distributed/checkpoint/metadata.py ``TensorProperties.__s
 from __future__ import annotations
 
 import enum
+import io
 import pickle
+from collections import OrderedDict
 
-from ..core.errors import InputError
 from ..core.lazy import torch
-
-
-class UnsafePickleError(InputError):
-    """A pickle names a global that is not on the allow-list (possibly crafted to run code)."""
-
+from .pickle_scan import MAX_BYTES, UnsafePickleError, scan, shown
+from .zip_records import open_regular
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
@@ -58,9 +59,12 @@ _STUBS = {
 }
 
 
-class _Inert:
-    """Stand-in for an allowed class whose content is never used: accepts any constructor arguments and any
-    state, runs nothing."""
+class Inert:
+    """An inert record of an allowed class (megatron's save plans, verl's DTensor, mesh, placements...): NEWOBJ's
+    arguments in ``_args``, BUILD's state in ``__dict__`` (a ``(dict, slots dict)`` pair merged; any other state in
+    ``_state``); nothing runs, nothing of it is ever hashed or printed (no ``__hash__``, no ``__repr__``)."""
+
+    __hash__ = None
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
@@ -71,7 +75,18 @@ class _Inert:
         pass
 
     def __setstate__(self, state):
-        self.__dict__["_state"] = state
+        if isinstance(state, tuple) and len(state) == 2 and all(s is None or type(s) is dict for s in state):
+            for s in state:
+                self.__dict__.update(s or {})
+        elif type(state) is dict:
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+
+def inert(name: str, module: str = __name__) -> type:
+    """A new :class:`Inert` record class named ``name``."""
+    return type(name, (Inert,), {"__module__": module})
 
 
 _STUB_CLASSES: dict = {}
@@ -82,9 +97,6 @@ class _Record:
     state goes to ``__dict__``) or by its fields in order; equal to any object of the same class name and fields."""
 
     FIELDS: tuple = ()
-
-    def __new__(cls, *args, **kwargs):
-        return object.__new__(cls)
 
     def __init__(self, *args, **kwargs):
         for f, v in zip(self.FIELDS, args):
@@ -97,9 +109,6 @@ class _Record:
         return all(getattr(self, f, None) == getattr(other, f, None) for f in self.FIELDS)
 
     __hash__ = None
-
-    def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f, None)!r}' for f in self.FIELDS)})"
 
 
 class _MemFormat(enum.Enum):  # torch/distributed/checkpoint/metadata.py _MEM_FORMAT_ENCODING
@@ -122,7 +131,12 @@ def _tp_setstate(self, state):
 
 
 def _index_hash(self):  # a frozen dataclass's hash over its hashed fields (index: hash=False)
-    return hash((self.fqn, self.offset))
+    fqn, off = self.__dict__.get("fqn"), self.__dict__.get("offset")
+    # what is hashed is checked first: a str and a flat tuple of ints (a nested shared tuple's hash is exponential)
+    if type(fqn) is not str or not (off is None or (isinstance(off, tuple) and len(off) <= 64
+                                                      and all(type(x) is int for x in off))):
+        raise UnsafePickleError("a MetadataIndex that is not (str, ints): not torch DCP metadata")
+    return hash((fqn, off))
 
 
 _RECORDS = {
@@ -148,7 +162,8 @@ class AllowListUnpickler(pickle.Unpickler):
     """An unpickler that calls nothing it was not told to: a global in ``records`` ((module, name) -> an inert
     record class) resolves to it, anything else to what :meth:`allowed` returns, which refuses by default.
     ``what`` names the file in every refusal. The DCP ``.metadata`` one (:class:`SafeUnpickler`) and the verl FSDP
-    rank files' (formats/fsdp.py ``FsdpUnpickler``) differ in their records and :meth:`allowed` only."""
+    rank files' (:class:`FsdpUnpickler`) differ in their records and :meth:`allowed` only. Use :meth:`read`:
+    the bytes pass :func:`~ckpt_tools.formats.pickle_scan.scan`'s limits first."""
 
     records: dict = {}
 
@@ -156,12 +171,33 @@ class AllowListUnpickler(pickle.Unpickler):
         super().__init__(f)
         self.what = what
 
+    @classmethod
+    def read(cls, data: bytes, what: str):
+        """The object pickled in ``data``, refused in one line naming ``what`` when it breaks the limits or names
+        a global off the allow-list. The scan is pure Python (SIGINT / SIGTERM are delivered between opcodes)
+        and bounds what the C unpickler then does (linear in the size: no hash it makes can explode)."""
+        scan(data, what)
+        return cls(io.BytesIO(data), what).load()
+
     def find_class(self, module, name):
         rec = self.records.get((module, name))
         return rec if rec is not None else self.allowed(module, name)
 
     def allowed(self, module, name):
-        raise UnsafePickleError(f"{self.what}: refusing to unpickle {module}.{name}")
+        raise UnsafePickleError(f"{self.what}: refusing to unpickle {shown(module)}.{shown(name)}")
+
+    def refuse(self, module, name, why: str):
+        raise UnsafePickleError(f"{self.what}: refusing to unpickle {shown(module)}.{shown(name)} ({why}; the file "
+                                f"may be crafted to run code)")
+
+
+def torch_dtype_named(module, name):
+    """The torch dtype a pickle names as ``torch.<name>``, or None (the name checked before torch is asked)."""
+    if module == "torch" and type(name) is str and name.isidentifier() and len(name) < 32:
+        v = getattr(torch, name, None)
+        if isinstance(v, torch.dtype):
+            return v
+    return None
 
 
 class SafeUnpickler(AllowListUnpickler):
@@ -169,33 +205,179 @@ class SafeUnpickler(AllowListUnpickler):
 
     def allowed(self, module, name):
         key = (module, name)
-        if key in _ALLOWED and module == _DCP_PLANNER:  # megatron's save plans: never read, not imported
-            key = (module, name)
+        if (key in _ALLOWED and module == _DCP_PLANNER) or key in _STUBS:  # never read: inert, not imported
             cls = _STUB_CLASSES.get(key)
             if cls is None:
-                cls = _STUB_CLASSES[key] = type(name, (_Inert,), {"__module__": __name__})
+                cls = _STUB_CLASSES[key] = inert(name)
             return cls
         if key in _ALLOWED:
             return pickle.Unpickler.find_class(self, module, name)  # (the real import: past the records)
-        if key in _STUBS:
-            cls = _STUB_CLASSES.get(key)
-            if cls is None:
-                cls = _STUB_CLASSES[key] = type(name, (_Inert,), {"__module__": __name__})
-            return cls
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafePickleError(f"{self.what}: refusing to unpickle {module}.{name} (not a class torch DCP or "
-                                f"megatron-core metadata uses; the file may be crafted to run code)")
+        dt = torch_dtype_named(module, name)
+        if dt is not None:
+            return dt
+        self.refuse(module, name, "not a class torch DCP or megatron-core metadata uses")
 
     def persistent_load(self, pid):
         raise UnsafePickleError(f"{self.what}: refusing a persistent id in the pickle (not torch DCP metadata)")
 
 
 def load_metadata(path: str):
-    """Unpickle a DCP ``.metadata`` file with the allow-list; as ``FileSystemReader.read_metadata`` does, a
-    missing ``storage_meta`` is filled in."""
-    with open(path, "rb") as f:
-        md = SafeUnpickler(f, path).load()
+    """Unpickle a DCP ``.metadata`` file with the allow-list and the limits (a regular file only: a FIFO is refused,
+    not waited on); as ``FileSystemReader.read_metadata`` does, a missing ``storage_meta`` is filled in."""
+    with open_regular(path, MAX_BYTES) as f:
+        data = f.read(MAX_BYTES + 1)
+    md = SafeUnpickler.read(data, path)
     if getattr(md, "storage_meta", "absent") is None:
         md.storage_meta = _RECORDS[(_DCP_META, "StorageMeta")](None, None, None, [])
     return md
+
+
+# --------------------------------------------------------------------------------- verl's FSDP rank files (data.pkl)
+_DT = "torch.distributed.tensor"
+_ST = "torch.distributed._shard"
+# (module, name) -> record class. Every one of them is data: built from its pickled fields, nothing called.
+FSDP_RECORDS = {
+    (f"{_DT}", "DTensor"): inert("DTensor"),
+    ("torch.distributed._tensor.api", "DTensor"): inert("DTensor"),
+    (f"{_DT}._dtensor_spec", "DTensorSpec"): inert("DTensorSpec"),
+    (f"{_DT}._dtensor_spec", "TensorMeta"): inert("TensorMeta"),
+    (f"{_DT}._dtensor_spec", "ShardOrderEntry"): inert("ShardOrderEntry"),
+    (f"{_DT}.placement_types", "Shard"): inert("Shard"),
+    (f"{_DT}.placement_types", "Replicate"): inert("Replicate"),
+    ("torch.distributed.device_mesh", "DeviceMesh"): inert("DeviceMesh"),
+    ("torch.distributed._mesh_layout", "_MeshLayout"): inert("_MeshLayout"),
+    ("torch.distributed._mesh_layout", "_FlatLayout"): inert("_FlatLayout"),
+    (f"{_ST}.sharded_tensor.api", "ShardedTensor"): inert("ShardedTensor"),
+    (f"{_ST}.sharded_tensor.shard", "Shard"): inert("LocalShard"),
+    (f"{_ST}.metadata", "ShardMetadata"): inert("ShardMetadata"),
+    (f"{_ST}.sharded_tensor.metadata", "ShardedTensorMetadata"): inert("ShardedTensorMetadata"),
+    (f"{_ST}.sharded_tensor.metadata", "TensorProperties"): inert("STProperties"),
+    (f"{_ST}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): inert("ChunkShardingSpec"),
+    ("torch.distributed.remote_device", "_remote_device"): inert("RemoteDevice"),
+}
+_PG_STATE = inert("ProcessGroupState")  # ShardedTensor.ProcessGroupState, reached through getattr
+_PARTIAL = {(f"{_DT}.placement_types", n) for n in ("Partial", "_Partial")} | {
+    ("torch.distributed._tensor.placement_types", n) for n in ("Partial", "_Partial")}
+STORAGES = {f"{n}Storage": d for n, d in (
+    ("Float", "float32"), ("Double", "float64"), ("Half", "float16"), ("BFloat16", "bfloat16"), ("Long", "int64"),
+    ("Int", "int32"), ("Short", "int16"), ("Char", "int8"), ("Byte", "uint8"), ("Bool", "bool"))}
+
+
+class StorageType:
+    def __init__(self, dtype_name):
+        self.dtype_name = dtype_name
+
+
+class Storage:
+    """A storage by its zip key (``data/{key}``), dtype and element count: never loaded."""
+
+    def __init__(self, key, dtype_name, numel):
+        self.key, self.dtype_name, self.numel = key, dtype_name, numel
+
+
+def ints(v, what: str) -> tuple:
+    """``v`` as a tuple of ints (a size, a stride), else refused: what a pickle gives is checked before it is used
+    (a nested shared tuple would cost exponential time wherever it is walked)."""
+    if not isinstance(v, (tuple, list)) or len(v) > 64 or not all(type(x) is int for x in v):
+        raise UnsafePickleError(f"a tensor {what} that is not a list of integers")
+    return tuple(v)
+
+
+class TensorRef:
+    """A plain tensor of the pickle: its storage, offset, size and stride (torch._utils._rebuild_tensor_v2's
+    arguments)."""
+
+    def __init__(self, storage, offset, size, stride):
+        if type(offset) is not int:
+            raise UnsafePickleError("a tensor storage offset that is not an integer")
+        self.storage, self.offset, self.size, self.stride = storage, offset, ints(size, "size"), ints(stride, "stride")
+
+    @property
+    def dtype_name(self):
+        return self.storage.dtype_name
+
+
+class WrapperRef:
+    """A tensor subclass rebuilt by torch._utils._rebuild_wrapper_subclass (DTensor, ShardedTensor): its class
+    record, dtype and global size; ``state`` what _rebuild_from_type_v2 sets on it."""
+
+    def __init__(self, cls, dtype, size):
+        if not isinstance(dtype, torch.dtype):
+            raise UnsafePickleError("a tensor subclass whose dtype is not a torch dtype")
+        self.cls, self.dtype, self.size, self.state = cls, dtype, ints(size, "size"), None
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+    if not isinstance(storage, Storage):
+        raise UnsafePickleError("a tensor rebuilt from something that is not a storage of the file")
+    return TensorRef(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
+    return data
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    return WrapperRef(cls, dtype, size)
+
+
+_REBUILDERS = {"_rebuild_tensor_v2": _rebuild_tensor_v2, "_rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+               "_rebuild_parameter": _rebuild_parameter}
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    if func not in _REBUILDERS.values() or type(args) is not tuple:
+        raise UnsafePickleError("_rebuild_from_type_v2 of a function that is not a tensor rebuild")
+    ret = func(*args)
+    if isinstance(ret, WrapperRef):
+        ret.state = state
+    return ret
+
+
+def _getattr(obj, name):
+    """pickle's ``getattr`` global, for ShardedTensor.ProcessGroupState only."""
+    if obj is FSDP_RECORDS[(f"{_ST}.sharded_tensor.api", "ShardedTensor")] and name == "ProcessGroupState":
+        return _PG_STATE
+    raise UnsafePickleError(f"refusing getattr(..., {shown(name)})")
+
+
+def _mem_format(v):
+    return v
+
+
+def _device(*args):
+    return args[0] if args else "cpu"
+
+
+class FsdpUnpickler(AllowListUnpickler):
+    """The allow-list unpickler of a verl FSDP rank file's ``data.pkl`` (formats/fsdp.py's module doc)."""
+
+    records = FSDP_RECORDS
+
+    def allowed(self, module, name):
+        key = (module, name)
+        if key in _PARTIAL:
+            raise UnsafePickleError(f"{self.what}: a DTensor with a Partial placement (unreduced values): not a "
+                                    f"weight checkpoint this can read (verl's merger refuses it too)")
+        if module == "torch._utils" and name in _REBUILDERS:
+            return _REBUILDERS[name]
+        fixed = {("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2, ("__builtin__", "getattr"): _getattr,
+                 ("builtins", "getattr"): _getattr, ("collections", "OrderedDict"): OrderedDict, ("torch", "Size"): tuple,
+                 ("torch", "device"): _device, ("torch.serialization", "_get_layout"): str,
+                 (f"{_ST}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): _mem_format}.get(key)
+        if fixed is not None:
+            return fixed
+        if module == "torch" and name in STORAGES:
+            return StorageType(STORAGES[name])
+        dt = torch_dtype_named(module, name)
+        if dt is not None:
+            return dt
+        self.refuse(module, name, "not a class a verl FSDP model state dict is built from")
+
+    def persistent_load(self, pid):
+        # torch.serialization's _save: ('storage', storage_type, key, location, numel)
+        if not (type(pid) is tuple and len(pid) == 5 and type(pid[0]) is str and pid[0] == "storage" and isinstance(pid[1], StorageType)
+                and type(pid[2]) is str and len(pid[2]) < 64 and type(pid[4]) is int):
+            raise UnsafePickleError(f"{self.what}: a persistent id that is not a torch storage")
+        return Storage(pid[2], pid[1].dtype_name, pid[4])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
 import struct
 import threading
 from collections import OrderedDict, defaultdict
@@ -27,6 +26,7 @@ from ..layout import (
 from ..layout.optimizer import is_optimizer_key
 from .safe_pickle import Metadata, TensorStorageMetadata, UnsafePickleError, load_metadata
 from .torch_dist import DistCkptError
+from .zip_records import NotRegularFile, ZipDamage, cut_holes, mask_crc, object_ok, zip_problem
 
 
 class TorchDistReader:
@@ -48,7 +48,7 @@ class TorchDistReader:
             md = load_metadata(os.path.join(path, ".metadata"))
         except (FileNotFoundError, IsADirectoryError):
             raise DistCkptError(f"{path}: no .metadata file") from None
-        except UnsafePickleError as e:
+        except (UnsafePickleError, NotRegularFile) as e:
             raise DistCkptError(str(e)) from None
         except OSError:
             raise  # I/O failure, not bad input (exit 3)
@@ -143,7 +143,7 @@ class TorchDistReader:
             raw = os.pread(self._fd(fds, si.relative_path), si.length, si.offset)
             verdict = seen.get(raw)
             if verdict is None:
-                verdict = seen[raw] = _object_ok(raw)
+                verdict = seen[raw] = object_ok(raw)
             if verdict is not True:
                 out.append((f"{si.relative_path}: _extra_state object {mi.fqn} at byte {si.offset}: {verdict}", False))
 
@@ -202,27 +202,37 @@ class TorchDistReader:
                 return head[off:off + n]
             if off >= end and off + n <= si.length:
                 return tail[off - end:off - end + n]
-            raise _ZipDamage(f"a zip structure at record byte {off} overlaps the tensor data or the record's end")
+            raise ZipDamage(f"a zip structure at record byte {off} overlaps the tensor data or the record's end")
 
         cls = (si.length, data_off, rec.nbytes)
         known = self._zip_whole.get(cls)
         if known is not None:
-            kept, want = known  # (in head, start, stop) slices
+            kept, want, crc_at = known  # (in head, start, stop) slices
             if b"".join([(head if h else tail)[a:b] for h, a, b in kept]) == want:
+                self._note_crc(rec, tail, crc_at - end)
                 return None
-        reads, unused = [], []
+        reads, unused, info = [], [], {}
 
         def read_noted(off, n):
             b = read(off, n)
             reads.append((off, n))
             return b
 
-        why = zip_problem(read_noted, si.length, data_off, rec.nbytes, unused)
+        why = zip_problem(read_noted, si.length, data_off, rec.nbytes, unused, info)
+        if why is None:
+            self._note_crc(rec, tail, info["crc_at"] - end)
         if why is None and known is None:
-            runs = _cut(reads + [(data_off, 0)], unused + [(data_off, rec.nbytes)])  # (no run across the data)
+            runs = cut_holes(reads + [(data_off, 0)], unused + [(data_off, rec.nbytes)])  # (no run across the data)
             kept = [(True, o, o + n) if o < data_off else (False, o - end, o - end + n) for o, n in runs]
-            self._zip_whole[cls] = (kept, b"".join([(head if h else tail)[a:b] for h, a, b in kept]))
+            self._zip_whole[cls] = (kept, b"".join([(head if h else tail)[a:b] for h, a, b in kept]), info["crc_at"])
         return why
+
+    @staticmethod
+    def _note_crc(rec, tail: bytes, at: int) -> None:
+        """``rec.crc``: its storage entry's CRC-32 from the central directory (bytes ``at`` of the record's tail),
+        checked by the copy as the data streams (integrity.CrcCheck); none where the field is 0 (not written)."""
+        crc = struct.unpack_from("<I", tail, at)[0]
+        rec.crc = (rec.offset, rec.nbytes, crc) if crc else None
 
     def _detect_prefix(self) -> str:
         cands = sorted((k[: -len("embedding.word_embeddings.weight")] for k in self.tensors
@@ -405,7 +415,7 @@ class TorchDistReader:
 
     def _head_matches(self, rec, got: bytes) -> bool:
         """:meth:`head_ok` given the bytes before ``rec``'s data (``got``), read by the caller; the verdict noted."""
-        ok = self._heads[id(rec)] = _mask_crc(got) == _mask_crc(rec.expect_head)
+        ok = self._heads[id(rec)] = mask_crc(got) == mask_crc(rec.expect_head)
         return ok
 
 
@@ -450,134 +460,3 @@ class _Window(io.RawIOBase):
         got = os.preadv(self.f.fileno(), [memoryview(b)[:n]], self.start + self.pos) if n else 0
         self.pos += got
         return got
-
-
-def _object_ok(raw: bytes):
-    """True when ``raw`` is a readable torch.save zip (the payload unpickled with ``weights_only=True`` where
-    that allows it, else every zip record read back), else a short reason."""
-    try:
-        torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-        return True
-    except pickle.UnpicklingError:
-        pass  # a payload weights_only refuses (e.g. Transformer Engine's BytesIO state): check the zip itself
-    except Exception as e:  # noqa: BLE001
-        return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
-    try:
-        zr = torch._C.PyTorchFileReader(io.BytesIO(raw))
-        for n in zr.get_all_records():
-            zr.get_record(n)
-        return True
-    except Exception as e:  # noqa: BLE001
-        return f"not a readable torch.save record ({type(e).__name__}: {str(e)[:120]})"
-
-
-class _ZipDamage(Exception):
-    pass
-
-
-_LOCAL, _CENTRAL, _EOCD, _EOCD64, _LOC64 = 0x04034B50, 0x02014B50, 0x06054B50, 0x06064B50, 0x07064B50
-
-
-def zip_problem(read, length: int, data_off: int, nbytes: int, unused: list | None = None) -> str | None:
-    """None when the zip structure of a ``torch.save`` record of ``length`` bytes is what torch's reader
-    needs, with its one tensor storage (``*/data/N``) stored at ``data_off`` for ``nbytes`` bytes; else a
-    short reason. ``read(offset, n)`` returns record bytes (and raises for bytes in the data).
-
-    torch's PyTorchStreamReader (miniz; torch/include/caffe2/serialize/inline_container.h: every entry stored
-    uncompressed, "we universally write in ZIP64 format", no archive comment) finds the end-of-central-directory
-    record at the end of the record, the zip64 end record through its locator, reads the central directory at
-    the offset those give and, for each entry, takes name, sizes and the local header offset from its central
-    entry and the data offset from the local header it points to (signature, name and extra lengths); the CRC
-    fields are not checked on load (torch/serialization.py, set_crc32_options). Each of those is checked here;
-    ``unused`` (a list) gets the (record offset, 4) of every CRC-32 field read and not used (record_problem's
-    reuse of a verdict rests on that: keep it true when this function starts to use a field)."""
-    unused = [] if unused is None else unused
-    try:
-        sig, _, _, _, n, cd_size, cd_off, comment = struct.unpack("<IHHHHIIH", read(length - 22, 22))
-        if sig != _EOCD or comment:
-            return "end-of-central-directory record damaged"
-        end = length - 22
-        lsig, _, z64, _ = struct.unpack("<IIQI", read(length - 42, 20)) if length >= 42 else (0, 0, 0, 0)
-        if lsig == _LOC64:
-            zsig, _, _, _, _, _, _, n, cd_size, cd_off = struct.unpack("<IQHHIIQQQQ", read(z64, 56))
-            if zsig != _EOCD64 or z64 + 56 > length - 42:
-                return "zip64 end-of-central-directory record damaged"
-            end = z64
-        elif 0xFFFF in (n,) or 0xFFFFFFFF in (cd_size, cd_off):
-            return "zip64 end-of-central-directory locator damaged"
-        if cd_off + cd_size > end:
-            return f"central directory ({cd_size} bytes at {cd_off}) runs past its end record at {end}"
-        cd = read(cd_off, cd_size)
-        pos, spans, data = 0, [], []
-        for _ in range(n):
-            (sig, _, _, _, method, _, _, _, csize, usize, nl, xl, cl, _, _, _, loff) = \
-                struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
-            unused.append((cd_off + pos + 16, 4))  # the entry's CRC-32 (the 8th field, unused above)
-            name = cd[pos + 46:pos + 46 + nl]
-            extra = cd[pos + 46 + nl:pos + 46 + nl + xl]
-            pos += 46 + nl + xl + cl
-            if sig != _CENTRAL or pos > cd_size:
-                return "central directory damaged"
-            wide = [v == 0xFFFFFFFF for v in (usize, csize, loff)]
-            if any(wide):  # zip64 extended information extra field (id 1): the 64-bit values, in this order
-                x = 0
-                while x + 4 <= len(extra) and struct.unpack_from("<H", extra, x)[0] != 1:
-                    x += 4 + struct.unpack_from("<H", extra, x + 2)[0]
-                vals = iter(struct.unpack_from(f"<{sum(wide)}Q", extra, x + 4))
-                usize, csize, loff = (next(vals) if w else v for w, v in zip(wide, (usize, csize, loff)))
-            if method != 0 or csize != usize:
-                return f"central directory entry {name!r} is not stored uncompressed"
-            lsig, _, _, lmethod, _, _, _, _, _, lnl, lxl = struct.unpack("<IHHHHHIIIHH", read(loff, 30))
-            unused.append((loff + 14, 4))  # the local header's CRC-32 (the 7th field, unused above)
-            if lsig != _LOCAL or lmethod != method or read(loff + 30, lnl) != name:
-                return f"central directory entry {name!r} does not point at its local header (byte {loff})"
-            start = loff + 30 + lnl + lxl
-            if start + csize > cd_off:
-                return f"entry {name!r} runs into the central directory"
-            spans.append((loff, start + csize))
-            if name.partition(b"/")[2].startswith(b"data/"):
-                data.append((start, csize))
-        if pos != cd_size:
-            return f"central directory holds {pos} bytes of entries, its end record says {cd_size}"
-        spans.sort()
-        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-            return "zip entries overlap"
-        if data != [(data_off, nbytes)]:
-            return f"tensor storage entry at {data} in the central directory, expected [({data_off}, {nbytes})]"
-    except (_ZipDamage, struct.error) as e:
-        return f"zip structure damaged ({e})"
-    return None
-
-
-def _cut(spans: list, holes: list) -> list:
-    """The bytes of the (offset, length) ``spans`` less those of the ``holes``, as few (offset, length) runs as
-    they make (sorted, adjacent and overlapping runs merged)."""
-    cuts = sorted((o, o + n) for o, n in holes)
-    out: list = []
-    for a, b in sorted((o, o + n) for o, n in spans):
-        for h0, h1 in cuts:  # (a record's holes: one per zip entry and header, a few dozen at most)
-            if h0 < b and a < h1:
-                if a < h0:
-                    out = _merge(out, a, h0)
-                a = max(a, h1)
-        if a < b:
-            out = _merge(out, a, b)
-    return [(a, b - a) for a, b in out]
-
-
-def _merge(runs: list, a: int, b: int) -> list:
-    """``runs`` (sorted by start) with [a, b) added, merged into the last run where they touch."""
-    if runs and a <= runs[-1][1]:
-        runs[-1] = (runs[-1][0], max(runs[-1][1], b))
-    else:
-        runs.append((a, b))
-    return runs
-
-
-def _mask_crc(head: bytes) -> bytes:
-    """``head`` with the CRC-32 field of its last zip local header zeroed: torch.save with CRCs on (what
-    megatron writes) puts the data's CRC there, so records of one layout differ only in it."""
-    i = head.rfind(b"PK\x03\x04")
-    if i < 0 or i + 18 > len(head):
-        return head
-    return head[:i + 14] + b"\0\0\0\0" + head[i + 18:]

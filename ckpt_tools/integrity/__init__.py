@@ -4,6 +4,7 @@ The names below are importable from ``ckpt_tools.integrity``."""
 from __future__ import annotations
 
 from ..core.errors import IntegrityError
+from .crc_check import CrcCheck, crc32_combine
 from .manifest import (
     ALGORITHM,
     MANIFEST,
@@ -18,5 +19,5 @@ from .manifest import (
 )
 from .source_check import SourceCheck
 
-__all__ = ["ALGORITHM", "MANIFEST", "IntegrityError", "ManifestError", "SourceCheck", "check_manifest", "check_sizes",
+__all__ = ["ALGORITHM", "CrcCheck", "MANIFEST", "crc32_combine", "IntegrityError", "ManifestError", "SourceCheck", "check_manifest", "check_sizes",
            "hash_bytes", "hash_range", "load_manifest", "unwritten", "write_manifest"]
