@@ -40,13 +40,16 @@ def _options(args) -> convert.Options:
 
 REPORT_INPUTS = {"hf": "--hf", "mcore": "--mcore", "vllm": "--vllm", "hf2": "--hf2", "fsdp": "--fsdp",
                  "hf_config": "--hf-config", "config": "--config", "calibrate": "--calibrate", "path": "PATH"}
+# inputs read by themselves: a report may sit beside them (plan's --config FILE is read alone too, but its
+# directory may be an HF checkpoint, so it stands for its directory)
+REPORT_INPUTS_ALONE = ("--calibrate",)
 
 
 def check_report(args):
     """``--json FILE`` (verify, plan, inspect) checked before any work: never an input file, inside an input
     directory, a directory or a symlink (:func:`~ckpt_tools.output.guard.check_report`)."""
     inputs = {flag: getattr(args, dest) for dest, flag in REPORT_INPUTS.items() if getattr(args, dest, None)}
-    guard.check_report(getattr(args, "json", None), inputs, "--json")
+    guard.check_report(getattr(args, "json", None), inputs, "--json", alone=REPORT_INPUTS_ALONE)
 
 
 def _dump(obj, path):

@@ -128,11 +128,13 @@ def check_holder(output, names) -> str:
     return d
 
 
-def check_report(path: str | None, inputs: dict, flag: str, error=OutError):
+def check_report(path: str | None, inputs: dict, flag: str, error=OutError, alone=()):
     """A report file (``--json FILE``) checked before any work: not a symlink (never followed), not a directory,
-    its parent exists, not an input file nor inside an input directory (realpaths). An existing file elsewhere is
-    replaced (atomically: ``cli.commands``) only when it is a JSON document, as every report is: anything else is
-    not ours to delete. ``-`` is stdout."""
+    its parent exists, not an input file nor inside an input directory (realpaths; a file input stands for its
+    directory, e.g. ``--hf-config DIR/config.json`` whose side files are copied, unless its flag is in ``alone``:
+    a file read by itself, e.g. ``--calibrate FILE``, beside which a report may be written). An existing file
+    elsewhere is replaced (atomically: ``cli.commands``) only when it is a JSON document, as every report is:
+    anything else is not ours to delete. ``-`` is stdout."""
     if path is None or path == "-":
         return
     if os.path.islink(path):
@@ -149,6 +151,8 @@ def check_report(path: str | None, inputs: dict, flag: str, error=OutError):
             rin = os.path.realpath(one)
             if rout == rin:
                 raise error(f"{flag} {show(path)} is {given} {show(one)}; refusing to write over an input")
+            if given in alone and os.path.isfile(rin):
+                continue
             if _inside(rout, os.path.dirname(rin) if os.path.isfile(rin) else rin):
                 raise error(f"{flag} {show(path)} is inside {given} {show(one)}; write the report outside the input")
     if os.path.isfile(path):
