@@ -14,7 +14,6 @@ Qwen3 / Qwen3-MoE have the same judges in tests/test_megatron_reference.py and t
 """
 import json
 import os
-import pickle
 import shutil
 
 import pytest
@@ -24,6 +23,7 @@ import converters
 from ckpt_tools import convert
 from ckpt_tools.formats.views import HFView, McoreView
 from ckpt_tools.testing import hf_files
+from ckpt_tools.testing.megatron import saved_layout
 from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
 from conftest import logits_vs_transformers, run_megatron
@@ -99,15 +99,7 @@ def models(tmp_path_factory):
 
 def _summary(d):
     """Tensors (global shape, dtype, chunks), objects, the writing rank of each item, megatron's metadata."""
-    md = pickle.load(open(os.path.join(d, ".metadata"), "rb"))
-    tensors, objects = {}, set()
-    for k, v in md.state_dict_metadata.items():
-        if hasattr(v, "chunks"):
-            tensors[k] = (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-        else:
-            objects.add(k)
-    writer = {(mi.fqn, tuple(mi.offset) if mi.offset is not None else None): int(si.relative_path.split("_")[2])
-              for mi, si in md.storage_data.items()}
+    tensors, objects, writer, md = saved_layout(d)
     return tensors, objects, writer, md.mcore_data
 
 

@@ -27,6 +27,7 @@ from ckpt_tools import convert
 from ckpt_tools.cli import main
 from ckpt_tools.formats.fsdp import FsdpCheckpoint, FsdpError
 from ckpt_tools.formats.safe_pickle import UnsafePickleError
+from ckpt_tools.testing.hostile import replace_pickle
 from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.testing.verl_merger import merge_command
 
@@ -253,15 +254,6 @@ def _rank_copy(src_ckpt: str, dst: str) -> str:
     return os.path.join(dst, "model_world_size_2_rank_1.pt")
 
 
-def _replace_pickle(path: str, payload: bytes):
-    """The rank file ``path`` with its data.pkl replaced by ``payload`` (every other zip entry as it was)."""
-    with zipfile.ZipFile(path) as z:
-        entries = [(i, z.read(i)) for i in z.infolist()]
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        for i, data in entries:
-            z.writestr(i, payload if i.filename.endswith("/data.pkl") else data)
-
-
 class _Payload:
     def __init__(self, marker):
         self.marker = marker
@@ -274,7 +266,7 @@ def test_a_pickle_payload_is_refused_and_runs_nothing(fsdp2, work):
     ck = os.path.join(work, "evil")
     rank_file = _rank_copy(fsdp2["ckpt"], ck)
     marker = os.path.join(work, "ran")
-    _replace_pickle(rank_file, pickle.dumps({"model.embed_tokens.weight": _Payload(marker)}, protocol=2))
+    replace_pickle(rank_file, pickle.dumps({"model.embed_tokens.weight": _Payload(marker)}, protocol=2))
     with pytest.raises(UnsafePickleError, match=r"refusing to unpickle posix\.system"):
         FsdpCheckpoint(ck)
     out = os.path.join(work, "evil_out")
@@ -293,7 +285,7 @@ def test_an_unknown_class_and_a_partial_placement_are_refused_in_one_line(fsdp2,
     dt = b"ctorch.distributed.tensor.placement_types\nShard\n"
     assert dt in raw  # torch's own pickle names the placement class so
     for cls, what in ((b"Partial", "Partial placement"), (b"_StridedShard", "placement_types._StridedShard")):
-        _replace_pickle(rank_file, raw.replace(dt, dt.replace(b"Shard", cls), 1))
+        replace_pickle(rank_file, raw.replace(dt, dt.replace(b"Shard", cls), 1))
         with pytest.raises((FsdpError, UnsafePickleError), match=what) as e:
             FsdpCheckpoint(ck)
         assert "\n" not in str(e.value)

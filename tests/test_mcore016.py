@@ -29,6 +29,7 @@ import converters
 from ckpt_tools import convert
 from ckpt_tools.cli import main
 from ckpt_tools.formats.views import HFView, McoreView
+from ckpt_tools.testing.megatron import saved_layout
 from ckpt_tools.testing.synth import make_tiny_hf
 from ckpt_tools.verify import verify
 from conftest import run_megatron
@@ -94,16 +95,7 @@ def _md(d):
 
 def _summary(d):
     """Tensors (global shape, dtype, chunks), objects, the writing rank of each item."""
-    md = _md(d)
-    tensors, objects = {}, set()
-    for k, v in md.state_dict_metadata.items():
-        if hasattr(v, "chunks"):
-            tensors[k] = (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-        else:
-            objects.add(k)
-    writer = {(mi.fqn, tuple(mi.offset) if mi.offset is not None else None): int(si.relative_path.split("_")[2])
-              for mi, si in md.storage_data.items()}
-    return tensors, objects, writer
+    return saved_layout(d)[:3]
 
 
 def _equal_hf(a, b):

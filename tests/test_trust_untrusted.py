@@ -23,7 +23,7 @@ from ckpt_tools.formats.safe_pickle import FsdpUnpickler
 from ckpt_tools.formats.torch_dist import SIDE_CAR
 from ckpt_tools.formats.torch_dist_reader import TorchDistReader
 from ckpt_tools.integrity import MANIFEST, CrcCheck, IntegrityError, crc32_combine
-from ckpt_tools.testing.hostile import hash_bomb_dict, plain_rank_checkpoint, shared_bomb, write_crcs
+from ckpt_tools.testing.hostile import hash_bomb_dict, plain_rank_checkpoint, replace_pickle, shared_bomb, write_crcs
 
 RANK0 = "model_world_size_1_rank_0.pt"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,14 +233,6 @@ def test_a_trained_head_under_tie_word_embeddings_is_never_dropped(tiny_hf_bf16,
 
 
 # ------------------------------------------------------------------------------------------- hostile pickles
-def _replace_pickle(path: str, payload: bytes):
-    with zipfile.ZipFile(path) as z:
-        entries = [(i, z.read(i)) for i in z.infolist()]
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        for i, data in entries:
-            z.writestr(i, payload if i.filename.endswith("/data.pkl") else data)
-
-
 def _storage_pid_bomb(levels: int) -> bytes:
     """A state dict whose tensor's persistent id is a shared-list bomb (each level a list of two references)."""
     x: list = []
@@ -273,7 +265,7 @@ def test_hostile_data_pkl_is_refused_in_one_line_without_walking_it(plain_fsdp, 
     data = {"str_bomb": _storage_pid_bomb(24), "pid_list_bomb": _storage_pid_bomb(60),
             "hash_bomb": hash_bomb_dict(60)}[payload]
     assert len(data) < 2000
-    _replace_pickle(os.path.join(ck, RANK0), data)
+    replace_pickle(os.path.join(ck, RANK0), data)
     r = _in_child(["inspect", ck])
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "refusing the pickle" in lines[0], r.stderr[-2000:]

@@ -15,6 +15,15 @@ import torch
 from safetensors.torch import load_file
 
 
+def replace_pickle(path: str, payload: bytes):
+    """The rank file ``path`` with its data.pkl replaced by ``payload`` (every other zip entry as it was)."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(i, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for i, data in entries:
+            z.writestr(i, payload if i.filename.endswith("/data.pkl") else data)
+
+
 def write_crcs(mc: str) -> int:
     """Every zip entry of every ``.distcp`` record of the torch_dist checkpoint ``mc`` gets its real CRC-32 in the
     central directory (ours leave it 0; torch.save's default writes it there, the local header's stays 0). Returns

@@ -9,6 +9,25 @@ from typing import NamedTuple
 import torch
 
 
+def saved_layout(d: str):
+    """What a torch_dist checkpoint's ``.metadata`` lays out, for comparing ours with megatron's own save: (tensors
+    {key: (global shape, dtype, sorted chunks)}, object keys, {(key, offset): writing rank}, the ``Metadata``)."""
+    import os
+    import pickle
+
+    with open(os.path.join(d, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # the tests' own output or megatron's save, never a user's file
+    tensors, objects = {}, set()
+    for k, v in md.state_dict_metadata.items():
+        if hasattr(v, "chunks"):
+            tensors[k] = (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+        else:
+            objects.add(k)
+    writer = {(mi.fqn, tuple(mi.offset) if mi.offset is not None else None): int(si.relative_path.split("_")[2])
+              for mi, si in md.storage_data.items()}
+    return tensors, objects, writer, md
+
+
 def no_cuda_rng() -> None:
     """megatron's CUDA RNG tracker -> a tracker whose ``fork`` is a no-op context and ``add`` does nothing.
     megatron forks it for TP-sharded initialization and dropout; on CPU there is no CUDA RNG state to fork, and
